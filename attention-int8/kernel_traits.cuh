@@ -1,0 +1,88 @@
+// Compile-time shape of the attention kernel: tile sizes, thread layout, shared-memory layout and
+// the per-warp fragment counts derived from them. Everything the kernel indexes comes from here.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_int8.h"
+
+namespace attention_int8 {
+
+// Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp measured fastest on the H200 for every
+// head dim; 32-key tiles keep the D = 96/128 accumulators in registers (benchmarks/RESULTS.md, v2).
+template <int kHeadDim_, typename Elem_, int kMTiles_ = 2, int kBlockN_ = (kHeadDim_ <= 64 ? 64 : 32)>
+struct AttentionKernelTraits {
+  using Elem = Elem_;  // __half or __nv_bfloat16: V, P and O
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kQueryPad;
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::small_int_to_float");
+  static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
+
+  // Each warp owns kMTiles m16 tiles of query rows for the whole key loop: the softmax state of a
+  // row never leaves its warp (a row lives in one quad of 4 lanes), and every K/V fragment a warp
+  // reads from shared memory feeds kMTiles MMAs (shared-memory traffic per FLOP / kMTiles).
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kWarps = kBlockM / kWarpRows;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kBlockM % kWarpRows == 0, "warps must tile the query block");
+  static constexpr int kStages = 2;  // K/V double buffering with cp.async
+
+  static_assert(kHeadDim % 32 == 0, "the s8 MMA consumes the head dim 32 at a time");
+  static_assert(kBlockN % 16 == 0, "P.V consumes keys 16 at a time");
+
+  // Fragment counts per warp.
+  static constexpr int kQKSteps = kHeadDim / 32;  // m16n8k32 steps along D for S = Q K^T
+  static constexpr int kSTiles = kBlockN / 8;     // n8 tiles of S (keys)
+  static constexpr int kPVSteps = kBlockN / 16;   // m16n8k16 steps along keys for O += P V
+  static constexpr int kOTiles = kHeadDim / 8;    // n8 tiles of O (head dim)
+  static_assert(kSTiles % 2 == 0 && kOTiles % 2 == 0, "ldmatrix.x4 loads n8 tiles in pairs");
+
+  // Shared memory. Rows are padded by 16 bytes: ldmatrix reads 8 rows at the same column, and a row
+  // pitch of 16 * odd bytes puts those 8 16-byte reads in 8 distinct bank groups (no conflicts).
+  static constexpr int kQKRowBytes = kHeadDim + 16;  // int8 Q and K rows
+  static constexpr int kVRowBytes = kHeadDim * 2 + 16;
+  static_assert((kQKRowBytes / 16) % 2 == 1 && (kVRowBytes / 16) % 2 == 1, "pitch must be an odd multiple of 16 B");
+
+  static constexpr int kSmemQBytes = kBlockM * kQKRowBytes;
+  static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
+  static constexpr int kSmemVBytes = kBlockN * kVRowBytes;
+  static constexpr int kSmemKScaleBytes = kBlockN * 4;
+  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes + kSmemKScaleBytes;
+  static constexpr int kSmemBytes = kSmemQBytes + kStages * kSmemStageBytes;
+  static_assert(kSmemStageBytes % 16 == 0 && kSmemQBytes % 16 == 0, "cp.async needs 16-byte aligned stages");
+
+};
+
+// Hopper kernel (wgmma, sm_90a): two consumer warpgroups of 64 query rows each; K/V tiles of 128 keys.
+// Operands live in shared memory in the K-major 128-byte-swizzled layout of wgmma.cuh, so a row of
+// Q/K (128 int8) or of V^T (64 keys of fp16/bf16) is exactly one 128-byte swizzle row.
+template <typename Elem_, int kWarpGroups_ = 2>
+struct Sm90AttentionKernelTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = 128;
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
+  static constexpr int kBlockN = 128;
+  static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
+  static constexpr int kThreads = kWarpGroups * 128;
+  static constexpr int kMinBlocksPerSm = 2 / kWarpGroups;  // 255 registers a thread: 256 threads fill an SM
+  static constexpr int kStages = 3;  // tiles j - 1 (P.V), j (Q.K^T) and j + 1 (loading)
+
+  static constexpr int kQKSteps = kHeadDim / 32;      // k32 wgmma steps for S = Q K^T
+  static constexpr int kPVSteps = kBlockN / 16;       // k16 wgmma steps for O += P V
+  static constexpr int kKeysPerSwizzleRow = 64;       // 128 B of 16-bit V^T
+  static constexpr int kAccRegs = 64;                 // m64n128 accumulator registers per thread
+
+  static constexpr int kSmemQBytes = kBlockM * kHeadDim;                  // int8
+  static constexpr int kSmemKBytes = kBlockN * kHeadDim;                  // int8
+  static constexpr int kSmemVtChunkBytes = kHeadDim * 128;                // d rows x 64 keys x 2 B
+  static constexpr int kSmemVtBytes = kSmemVtChunkBytes * (kBlockN / kKeysPerSwizzleRow);
+  static constexpr int kSmemKScaleBytes = kBlockN * 4;
+  static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVtBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemQBytes + kStages * kSmemStageBytes;
+};
+
+}  // namespace attention_int8

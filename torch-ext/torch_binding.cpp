@@ -1,0 +1,306 @@
+// Op registration, argument checks and workspace management for attention_int8.
+//
+// The checks here repeat the Python API's on purpose: torch.ops.<namespace>.int8_attention_forward is
+// public too, and no input it accepts may reach a kernel that would read or write out of bounds.
+#include "torch_binding.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include "../attention-int8/attention_int8.h"
+#include "registration.h"
+
+namespace {
+
+namespace ai8 = attention_int8;
+
+// Row indices are 32-bit inside the kernels (offsets are 64-bit): keep sequence lengths well inside.
+constexpr int64_t kMaxSeqlen = int64_t(1) << 30;
+constexpr int64_t kMaxGridDim = 65535;  // batch and heads index gridDim.z / gridDim.y
+constexpr double kLog2e = 1.4426950408889634;
+
+enum class Layout { kHND, kNHD };
+
+Layout parse_layout(c10::string_view layout) {
+  if (layout == "HND") return Layout::kHND;
+  TORCH_CHECK_VALUE(layout == "NHD", "tensor_layout must be \"HND\" ([B, H, N, D]) or \"NHD\" ([B, N, H, D]), got \"",
+                    layout, "\"");
+  return Layout::kNHD;
+}
+
+int head_axis(Layout layout) { return layout == Layout::kHND ? 1 : 2; }
+int seq_axis(Layout layout) { return layout == Layout::kHND ? 2 : 1; }
+
+struct Shape {
+  int64_t batch, heads, seqlen, head_dim;
+};
+
+Shape shape_of(const at::Tensor& t, Layout layout) {
+  return {t.size(0), t.size(head_axis(layout)), t.size(seq_axis(layout)), t.size(3)};
+}
+
+ai8::RowMajorView view_of(const at::Tensor& t, Layout layout) {
+  return {t.stride(0), t.stride(head_axis(layout)), t.stride(seq_axis(layout))};
+}
+
+ai8::ElemType elem_type_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? ai8::ElemType::kFloat16 : ai8::ElemType::kBFloat16;
+}
+
+void check_input(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be a 4-D tensor ([B, H, N, D] for HND, [B, N, H, D] for NHD), got ",
+                    t.dim(), " dims");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                   name, " must be float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device(),
+                    " (the CPU path is attention_int8.reference.int8_attention_reference)");
+  TORCH_CHECK_VALUE(t.size(3) <= 1 || t.stride(3) == 1, name,
+                    " must be contiguous in its last (head_dim) dimension, got stride ", t.stride(3));
+}
+
+const cudaDeviceProp& checked_device_properties(const at::Tensor& t) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
+  TORCH_CHECK_VALUE(prop->major >= 8, "attention_int8 needs a GPU of compute capability 8.0 or newer (INT8 mma.sync), "
+                                      "but ", prop->name, " is ", prop->major, ".", prop->minor);
+  return *prop;
+}
+
+// ATTENTION_INT8_FORCE_PORTABLE=1 routes every call to the portable mma.sync kernel, so the tests can
+// hold both kernels to the reference on a Hopper GPU. Read per call: no global state.
+bool use_sm90_kernel(const cudaDeviceProp& prop, int64_t head_dim) {
+  const char* force_portable = std::getenv("ATTENTION_INT8_FORCE_PORTABLE");
+  if (force_portable != nullptr && std::string_view(force_portable) == "1") return false;
+  return ai8::sm90_kernel_supported(prop.major, prop.minor, static_cast<int>(head_dim));
+}
+
+void check_sizes(const Shape& s, const char* name) {
+  TORCH_CHECK_VALUE(ai8::head_dim_supported(static_cast<int>(s.head_dim)), name, " has head_dim ", s.head_dim,
+                    "; supported head dims are 64, 96 and 128");
+  TORCH_CHECK_VALUE(s.seqlen <= kMaxSeqlen, name, " has sequence length ", s.seqlen, "; at most ", kMaxSeqlen,
+                    " is supported");
+  TORCH_CHECK_VALUE(s.batch <= kMaxGridDim && s.heads <= kMaxGridDim, name, " has batch ", s.batch, " and heads ",
+                    s.heads, "; each must be at most ", kMaxGridDim);
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "attention_int8: launching ", what, " failed: ", cudaGetErrorString(err));
+}
+
+int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// The kernel streams V rows with 16-byte cp.async copies, so V's base and row/head/batch strides must
+// be 16-byte aligned. Anything else is copied once into a dense tensor (documented cost).
+at::Tensor v_with_aligned_rows(const at::Tensor& v, Layout layout) {
+  const int64_t align = 16 / v.element_size();
+  const auto view = view_of(v, layout);
+  const bool aligned = reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
+                       view.head_stride % align == 0 && view.row_stride % align == 0;
+  return aligned ? v : at::empty_like(v, at::MemoryFormat::Contiguous).copy_(v);
+}
+
+struct QuantizedRows {
+  at::Tensor values;  // int8 [B, H, seqlen_pad, D]
+  at::Tensor scales;  // fp32 [B, H, seqlen_pad]
+};
+
+QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
+                       int64_t row_multiple, cudaStream_t stream) {
+  const Shape s = shape_of(x, layout);
+  const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
+  QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, s.head_dim}, x.options().dtype(at::kChar)),
+                    at::empty({s.batch, s.heads, seqlen_pad}, x.options().dtype(at::kFloat))};
+  ai8::QuantizeParams params{};
+  params.x = x.data_ptr();
+  params.x_view = view_of(x, layout);
+  params.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
+  params.x_q = out.values.data_ptr<int8_t>();
+  params.scale = out.scales.data_ptr<float>();
+  params.batch = static_cast<int>(s.batch);
+  params.heads = static_cast<int>(s.heads);
+  params.seqlen = static_cast<int>(s.seqlen);
+  params.seqlen_pad = static_cast<int>(seqlen_pad);
+  params.head_dim = static_cast<int>(s.head_dim);
+  params.out_scale = static_cast<float>(out_scale);
+  params.dtype = elem_type_of(x);
+  check_launch(ai8::launch_quantize_per_token(params, stream), "quantize_per_token");
+  return out;
+}
+
+// V^T [B, H, D, seqlen_pad] for the sm90 kernel (see launch_transpose_v).
+at::Tensor transpose_v(const at::Tensor& v, Layout layout, int64_t seqlen_pad, cudaStream_t stream) {
+  const Shape s = shape_of(v, layout);
+  at::Tensor v_t = at::empty({s.batch, s.heads, s.head_dim, seqlen_pad}, v.options());
+  ai8::TransposeParams params{};
+  params.v = v.data_ptr();
+  params.v_view = view_of(v, layout);
+  params.v_t = v_t.data_ptr();
+  params.batch = static_cast<int>(s.batch);
+  params.heads = static_cast<int>(s.heads);
+  params.seqlen = static_cast<int>(s.seqlen);
+  params.seqlen_pad = static_cast<int>(seqlen_pad);
+  params.head_dim = static_cast<int>(s.head_dim);
+  check_launch(ai8::launch_transpose_v(params, stream), "transpose_v");
+  return v_t;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     bool is_causal, std::optional<double> sm_scale,
+                                                     c10::string_view tensor_layout, bool smooth_k, bool with_lse) {
+  check_input(q, "q");
+  check_input(k, "k");
+  check_input(v, "v");
+  const Layout layout = parse_layout(tensor_layout);
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one device, got ",
+                    q.device(), ", ", k.device(), " and ", v.device());
+  const Shape sq = shape_of(q, layout), sk = shape_of(k, layout);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(sk.batch == sq.batch, "k has batch ", sk.batch, " but q has batch ", sq.batch);
+  TORCH_CHECK_VALUE(sk.head_dim == sq.head_dim, "k has head_dim ", sk.head_dim, " but q has head_dim ", sq.head_dim);
+  TORCH_CHECK_VALUE(sq.heads == 0 || (sk.heads > 0 && sq.heads % sk.heads == 0),
+                    "the number of q heads (", sq.heads, ") must be a multiple of the number of k/v heads (", sk.heads,
+                    ")");
+  check_sizes(sq, "q");
+  check_sizes(sk, "k");
+  const double scale = sm_scale.has_value() ? *sm_scale : 1.0 / std::sqrt(static_cast<double>(sq.head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0, "sm_scale must be a finite positive number, got ", scale);
+  const cudaDeviceProp& prop = checked_device_properties(q);
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor lse = with_lse ? at::empty({sq.batch, sq.heads, sq.seqlen}, q.options().dtype(at::kFloat)) : at::Tensor();
+  if (out.numel() == 0) return {out, lse};
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
+  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
+  std::optional<at::Tensor> k_mean;
+  if (smooth_k && sk.seqlen > 0) k_mean = at::mean(k, {seq_axis(layout)}, /*keepdim=*/false, at::kFloat).contiguous();
+  // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
+  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream);
+  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream);
+  const bool sm90 = use_sm90_kernel(prop, sq.head_dim);
+  const at::Tensor v_rows = sm90 ? v : v_with_aligned_rows(v, layout);
+  const at::Tensor v_t = sm90 ? transpose_v(v, layout, k_q.values.size(2), stream) : at::Tensor();
+
+  ai8::AttentionParams params{};
+  params.q = q_q.values.data_ptr<int8_t>();
+  params.k = k_q.values.data_ptr<int8_t>();
+  params.q_scale = q_q.scales.data_ptr<float>();
+  params.k_scale = k_q.scales.data_ptr<float>();
+  params.v = v_rows.data_ptr();
+  params.v_view = view_of(v_rows, layout);
+  params.v_t = sm90 ? v_t.data_ptr() : nullptr;
+  params.o = out.data_ptr();
+  params.o_view = view_of(out, layout);
+  params.lse = with_lse ? lse.data_ptr<float>() : nullptr;
+  params.batch = static_cast<int>(sq.batch);
+  params.heads_q = static_cast<int>(sq.heads);
+  params.heads_kv = static_cast<int>(sk.heads);
+  params.seqlen_q = static_cast<int>(sq.seqlen);
+  params.seqlen_kv = static_cast<int>(sk.seqlen);
+  params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
+  params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
+  params.head_dim = static_cast<int>(sq.head_dim);
+  params.causal = is_causal;
+  params.dtype = elem_type_of(q);
+  check_launch(ai8::launch_attention_forward(params, stream), "attention_forward");
+  return {out, lse};
+}
+
+at::Tensor lse_like(const at::Tensor& q, Layout layout) {
+  return at::empty_symint({q.sym_size(0), q.sym_size(head_axis(layout)), q.sym_size(seq_axis(layout))},
+                          q.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+at::Tensor int8_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                                  std::optional<double> sm_scale, c10::string_view tensor_layout, bool smooth_k) {
+  return std::get<0>(attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Tensor& q, const at::Tensor& k,
+                                                                   const at::Tensor& v, bool is_causal,
+                                                                   std::optional<double> sm_scale,
+                                                                   c10::string_view tensor_layout, bool smooth_k) {
+  return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const std::optional<at::Tensor>& mean,
+                                                      double out_scale, c10::string_view tensor_layout) {
+  check_input(x, "x");
+  const Layout layout = parse_layout(tensor_layout);
+  const Shape s = shape_of(x, layout);
+  check_sizes(s, "x");
+  checked_device_properties(x);
+  if (mean.has_value()) {
+    TORCH_CHECK_TYPE(mean->scalar_type() == at::kFloat, "mean must be float32, got ", mean->scalar_type());
+    TORCH_CHECK_VALUE(mean->device() == x.device(), "mean must be on ", x.device(), ", got ", mean->device());
+    TORCH_CHECK_VALUE(mean->sizes() == at::IntArrayRef({s.batch, s.heads, s.head_dim}) && mean->is_contiguous(),
+                      "mean must be a contiguous [B, H, D] = [", s.batch, ", ", s.heads, ", ", s.head_dim,
+                      "] tensor, got ", mean->sizes());
+  }
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const QuantizedRows rows = quantize(x, layout, mean, out_scale, /*row_multiple=*/1, at::cuda::getCurrentCUDAStream());
+  return {rows.values, rows.scales};
+}
+
+at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, bool,
+                                       std::optional<double>, c10::string_view, bool) {
+  return at::empty_like(q, at::MemoryFormat::Contiguous);
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at::Tensor& q, const at::Tensor&,
+                                                                        const at::Tensor&, bool, std::optional<double>,
+                                                                        c10::string_view tensor_layout, bool) {
+  return {at::empty_like(q, at::MemoryFormat::Contiguous), lse_like(q, parse_layout(tensor_layout))};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_meta(const at::Tensor& x, const std::optional<at::Tensor>&,
+                                                           double, c10::string_view tensor_layout) {
+  const Layout layout = parse_layout(tensor_layout);
+  const c10::SymInt b = x.sym_size(0), h = x.sym_size(head_axis(layout)), n = x.sym_size(seq_axis(layout));
+  return {at::empty_symint({b, h, n, x.sym_size(3)}, x.options().dtype(at::kChar)),
+          at::empty_symint({b, h, n}, x.options().dtype(at::kFloat))};
+}
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def(
+      "int8_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
+      "str tensor_layout=\"HND\", bool smooth_k=True) -> Tensor");
+  ops.def(
+      "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
+      "str tensor_layout=\"HND\", bool smooth_k=True) -> (Tensor, Tensor)");
+  ops.def("quantize_per_token(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\") -> (Tensor, Tensor)");
+}
+
+// CPU tensors reach the same functions so that their device check answers with a clear ValueError.
+TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
+  ops.impl("int8_attention_forward", &int8_attention_forward);
+  ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
+  ops.impl("quantize_per_token", &quantize_per_token);
+}
+
+TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
+  ops.impl("int8_attention_forward", &int8_attention_forward);
+  ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
+  ops.impl("quantize_per_token", &quantize_per_token);
+}
+
+TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, Meta, ops) {
+  ops.impl("int8_attention_forward", &int8_attention_forward_meta);
+  ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse_meta);
+  ops.impl("quantize_per_token", &quantize_per_token_meta);
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
