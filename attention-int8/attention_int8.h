@@ -45,6 +45,11 @@ struct QuantizeParams {
   const float* mean;  // [B, H, D] fp32 contiguous, or nullptr
   int8_t* x_q;
   float* scale;
+  // Optional, from the unquantized row: row_dot[b, h, n] = x[b, h, n, :] . dot_vec[b, h / dot_head_group, :].
+  // Q rows dotted with K's token mean give the logit shift that K smoothing removed, which the LSE needs.
+  const float* dot_vec;  // [B, H / dot_head_group, D] fp32 contiguous, or nullptr
+  int dot_head_group;
+  float* row_dot;        // [B, H, seqlen_pad]
   int batch, heads, seqlen, seqlen_pad, head_dim;
   float out_scale;
   ElemType dtype;

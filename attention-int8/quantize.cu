@@ -15,59 +15,111 @@
 namespace attention_int8 {
 namespace {
 
-constexpr int kQuantRowsPerBlock = 8;  // one warp per token row
+constexpr int kQuantWarps = 8;
+constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16-byte load
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
+// end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
+template <int kHeadDim>
+struct QuantRowShape {
+  static constexpr int kChunks = kHeadDim / kChunkElems;
+  static constexpr int kLanes = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarp;
+  static_assert(kHeadDim % kChunkElems == 0 && kChunks <= 32, "unsupported head dim");
+};
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Reductions over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
+template <int kLanes>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+template <int kLanes>
+__device__ __forceinline__ int group_min(int x) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) x = min(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
 template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantRowsPerBlock * 32) quantize_per_token_kernel(const QuantizeParams p) {
-  constexpr int kPerLane = kHeadDim / 32;  // lane l holds columns l, l + 32, ...: coalesced per step
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kQuantRowsPerBlock + threadIdx.x / 32;  // over [B, H, seqlen_pad]
-  if (row >= int64_t(p.batch) * p.heads * p.seqlen_pad) return;
+__global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(const QuantizeParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
+  const int64_t row = int64_t(blockIdx.x) * Shape::kRowsPerBlock + (threadIdx.x / 32) * Shape::kRowsPerWarp +
+                      lane / Shape::kLanes;  // over [B, H, seqlen_pad]
+  // Every lane stays to the end: the reductions below are warp-wide shuffles.
+  const bool row_exists = row < int64_t(p.batch) * p.heads * p.seqlen_pad;
+  const int n = row_exists ? static_cast<int>(row % p.seqlen_pad) : 0;
+  const int64_t bh = row_exists ? row / p.seqlen_pad : 0;
+  const bool active = row_exists && chunk < Shape::kChunks;
+  const bool has_data = active && n < p.seqlen;  // rows in [seqlen, seqlen_pad) are padding: zeros, scale 0
 
-  const int n = static_cast<int>(row % p.seqlen_pad);
-  const int64_t bh = row / p.seqlen_pad;
-  const int64_t b = bh / p.heads, h = bh % p.heads;
-  int8_t* x_q = p.x_q + row * kHeadDim;
-
-  if (n >= p.seqlen) {  // padding rows: zero values and zero scale, so they contribute nothing
+  float v[kChunkElems];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x_q[i * 32 + lane] = 0;
-    if (lane == 0) p.scale[row] = 0.f;
-    return;
+  for (int e = 0; e < kChunkElems; ++e) v[e] = 0.f;
+  if (has_data) {
+    const int64_t b = bh / p.heads, h = bh % p.heads;
+    const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
+                    int64_t(n) * p.x_view.row_stride + chunk * kChunkElems;
+    alignas(16) Elem e8[kChunkElems];
+    if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
+    } else {  // a strided view whose rows are not 16-byte aligned
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) e8[e] = x[e];
+    }
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) v[e] = to_float(e8[e]);
+    if (p.mean != nullptr) {
+      const float* mean = p.mean + bh * kHeadDim + chunk * kChunkElems;
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) v[e] -= mean[e];
+    }
   }
-
-  const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
-                  int64_t(n) * p.x_view.row_stride;
-  const float* mean = p.mean == nullptr ? nullptr : p.mean + bh * kHeadDim;
-
-  float v[kPerLane];
+  if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
+    float dot = 0.f;
+    if (has_data) {
+      const float* w = p.dot_vec + (bh / p.heads * (p.heads / p.dot_head_group) + bh % p.heads / p.dot_head_group) *
+                                       kHeadDim + chunk * kChunkElems;
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) dot += v[e] * w[e];
+    }
+    dot = group_sum<Shape::kLanes>(dot);
+    if (active && chunk == 0) p.row_dot[row] = dot;
+  }
   float amax = 0.f;
-  bool finite = true;
+  int finite = 1;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int d = i * 32 + lane;
-    v[i] = to_float(x[d]);
-    if (mean != nullptr) v[i] -= mean[d];
-    amax = fmaxf(amax, fabsf(v[i]));
-    finite = finite && isfinite(v[i]);
+  for (int e = 0; e < kChunkElems; ++e) {
+    amax = fmaxf(amax, fabsf(v[e]));
+    finite &= isfinite(v[e]) ? 1 : 0;
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-  finite = __all_sync(kFullMask, finite);
+  amax = group_max<Shape::kLanes>(amax);
+  finite = group_min<Shape::kLanes>(finite);
+  if (!active) return;
 
   // IEEE fp32 division and round-half-even: the PyTorch reference reproduces these bit for bit.
   const float inv_scale = amax > 0.f ? 127.f / amax : 0.f;
+  alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int q = __float2int_rn(v[i] * inv_scale);
-    x_q[i * 32 + lane] = static_cast<int8_t>(max(-127, min(127, q)));
-  }
+  for (int e = 0; e < kChunkElems; ++e) q8[e] = static_cast<int8_t>(max(-127, min(127, __float2int_rn(v[e] * inv_scale))));
+  *reinterpret_cast<uint2*>(p.x_q + row * kHeadDim + chunk * kChunkElems) = *reinterpret_cast<const uint2*>(q8);
   // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
-  if (lane == 0) p.scale[row] = finite ? amax / 127.f * p.out_scale : NAN;
+  if (chunk == 0) p.scale[row] = finite ? amax / 127.f * p.out_scale : NAN;
 }
 
 }  // namespace
@@ -75,13 +127,13 @@ __global__ void __launch_bounds__(kQuantRowsPerBlock * 32) quantize_per_token_ke
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_pad;
   if (rows == 0) return cudaSuccess;
-  const int64_t blocks = (rows + kQuantRowsPerBlock - 1) / kQuantRowsPerBlock;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
+    const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_elem(p.dtype, [&](auto elem) {
-      using Elem = decltype(elem);
-      quantize_per_token_kernel<decltype(head_dim)::value, Elem>
-          <<<static_cast<unsigned>(blocks), kQuantRowsPerBlock * 32, 0, stream>>>(p);
+      quantize_per_token_kernel<decltype(head_dim)::value, decltype(elem)>
+          <<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(p);
       return cudaGetLastError();
     });
   });

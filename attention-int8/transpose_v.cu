@@ -10,23 +10,28 @@
 namespace attention_int8 {
 namespace {
 
-constexpr int kTile = 32;      // 32 x 32 elements per block
-constexpr int kTileRows = 8;   // blockDim = (32, 8): each thread moves 4 elements
+constexpr int kTile = 64;      // 64 x 64 elements per block ...
+constexpr int kTileRows = 8;   // ... moved by 32 x 8 threads, 16 elements each: enough bytes in flight
 
-__global__ void __launch_bounds__(kTile * kTileRows) transpose_v_kernel(const TransposeParams p) {
-  __shared__ uint16_t tile[kTile][kTile + 1];  // +1: column reads hit 32 distinct banks
+__global__ void __launch_bounds__(32 * kTileRows) transpose_v_kernel(const TransposeParams p) {
+  __shared__ uint16_t tile[kTile][kTile + 2];  // +2 (one 4-byte bank): column reads hit distinct banks
   const int n0 = blockIdx.x * kTile, d0 = blockIdx.y * kTile;
   const int64_t bh = blockIdx.z, b = bh / p.heads, h = bh % p.heads;
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_view.batch_stride + h * p.v_view.head_stride;
   uint16_t* v_t = static_cast<uint16_t*>(p.v_t) + bh * p.head_dim * int64_t(p.seqlen_pad);
 
+#pragma unroll
   for (int i = threadIdx.y; i < kTile; i += kTileRows) {
     const int n = n0 + i;
-    tile[i][threadIdx.x] = n < p.seqlen ? v[int64_t(n) * p.v_view.row_stride + d0 + threadIdx.x] : uint16_t(0);
+#pragma unroll
+    for (int c = threadIdx.x; c < kTile; c += 32)
+      tile[i][c] = n < p.seqlen ? v[int64_t(n) * p.v_view.row_stride + d0 + c] : uint16_t(0);
   }
   __syncthreads();
+#pragma unroll
   for (int i = threadIdx.y; i < kTile; i += kTileRows)
-    v_t[int64_t(d0 + i) * p.seqlen_pad + n0 + threadIdx.x] = tile[threadIdx.x][i];
+#pragma unroll
+    for (int c = threadIdx.x; c < kTile; c += 32) v_t[int64_t(d0 + i) * p.seqlen_pad + n0 + c] = tile[c][i];
 }
 
 }  // namespace
@@ -36,7 +41,7 @@ cudaError_t launch_transpose_v(const TransposeParams& p, cudaStream_t stream) {
   if (p.seqlen_pad % kTile != 0 || p.head_dim % kTile != 0 || int64_t(p.batch) * p.heads > 65535)
     return cudaErrorInvalidValue;
   const dim3 grid(p.seqlen_pad / kTile, p.head_dim / kTile, p.batch * p.heads);
-  transpose_v_kernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(p);
+  transpose_v_kernel<<<grid, dim3(32, kTileRows), 0, stream>>>(p);
   return cudaGetLastError();
 }
 

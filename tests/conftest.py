@@ -1,6 +1,6 @@
 """Shared test set-up: import the package from the local build (`make build`) and mark GPU tests."""
 
-import importlib
+import importlib.util
 import pathlib
 import sys
 
@@ -25,12 +25,24 @@ BUILD_DIR = ROOT / "build" / build_variant()
 
 
 def load_package():
-    """Import attention_int8 from build/<variant>/ (fails loudly if `make build` was not run)."""
-    if not (BUILD_DIR / "attention_int8" / "__init__.py").exists():
-        raise RuntimeError(f"{BUILD_DIR}/attention_int8 is missing: run `make build` first")
-    if str(BUILD_DIR) not in sys.path:
-        sys.path.insert(0, str(BUILD_DIR))
-    return importlib.import_module("attention_int8")
+    """Import attention_int8 from build/<variant>/ (fails loudly if `make build` was not run).
+
+    The local build nests the package (build/<variant>/attention_int8/); kernel-builder's Nix build may
+    lay it out flat (build/<variant>/__init__.py). Both are accepted.
+    """
+    if "attention_int8" in sys.modules:
+        return sys.modules["attention_int8"]
+    package_dir = BUILD_DIR / "attention_int8"
+    if not (package_dir / "__init__.py").exists():
+        package_dir = BUILD_DIR
+    init = package_dir / "__init__.py"
+    if not init.exists():
+        raise RuntimeError(f"{BUILD_DIR} holds no attention_int8 package: run `make build` first")
+    spec = importlib.util.spec_from_file_location("attention_int8", init, submodule_search_locations=[str(package_dir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["attention_int8"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@
 #include "torch_binding.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -65,19 +65,30 @@ void check_input(const at::Tensor& t, const char* name) {
                     " must be contiguous in its last (head_dim) dimension, got stride ", t.stride(3));
 }
 
-const cudaDeviceProp& checked_device_properties(const at::Tensor& t) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
-  TORCH_CHECK_VALUE(prop->major >= 8, "attention_int8 needs a GPU of compute capability 8.0 or newer (INT8 mma.sync), "
-                                      "but ", prop->name, " is ", prop->major, ".", prop->minor);
-  return *prop;
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "attention_int8: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+struct Capability {
+  int major, minor;
+};
+
+Capability checked_capability(const at::Tensor& t) {
+  Capability cc{};
+  const int device = t.get_device();
+  check_cuda(cudaDeviceGetAttribute(&cc.major, cudaDevAttrComputeCapabilityMajor, device), "reading the GPU's capability");
+  check_cuda(cudaDeviceGetAttribute(&cc.minor, cudaDevAttrComputeCapabilityMinor, device), "reading the GPU's capability");
+  TORCH_CHECK_VALUE(cc.major >= 8, "attention_int8 needs a GPU of compute capability 8.0 or newer (INT8 mma.sync), "
+                                   "but ", t.device(), " is ", cc.major, ".", cc.minor);
+  return cc;
 }
 
 // ATTENTION_INT8_FORCE_PORTABLE=1 routes every call to the portable mma.sync kernel, so the tests can
 // hold both kernels to the reference on a Hopper GPU. Read per call: no global state.
-bool use_sm90_kernel(const cudaDeviceProp& prop, int64_t head_dim) {
+bool use_sm90_kernel(Capability cc, int64_t head_dim) {
   const char* force_portable = std::getenv("ATTENTION_INT8_FORCE_PORTABLE");
   if (force_portable != nullptr && std::string_view(force_portable) == "1") return false;
-  return ai8::sm90_kernel_supported(prop.major, prop.minor, static_cast<int>(head_dim));
+  return ai8::sm90_kernel_supported(cc.major, cc.minor, static_cast<int>(head_dim));
 }
 
 void check_sizes(const Shape& s, const char* name) {
@@ -89,9 +100,6 @@ void check_sizes(const Shape& s, const char* name) {
                     s.heads, "; each must be at most ", kMaxGridDim);
 }
 
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "attention_int8: launching ", what, " failed: ", cudaGetErrorString(err));
-}
 
 int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 
@@ -106,17 +114,25 @@ at::Tensor v_with_aligned_rows(const at::Tensor& v, Layout layout) {
 }
 
 struct QuantizedRows {
-  at::Tensor values;  // int8 [B, H, seqlen_pad, D]
-  at::Tensor scales;  // fp32 [B, H, seqlen_pad]
+  at::Tensor values;   // int8 [B, H, seqlen_pad, D]
+  at::Tensor scales;   // fp32 [B, H, seqlen_pad]
+  at::Tensor row_dot;  // fp32 [B, H, seqlen_pad] (x . dot_vec), when a dot_vec was given
 };
 
 QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
-                       int64_t row_multiple, cudaStream_t stream) {
+                       int64_t row_multiple, cudaStream_t stream, const std::optional<at::Tensor>& dot_vec = {}) {
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
+  const auto f32 = x.options().dtype(at::kFloat);
   QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, s.head_dim}, x.options().dtype(at::kChar)),
-                    at::empty({s.batch, s.heads, seqlen_pad}, x.options().dtype(at::kFloat))};
+                    at::empty({s.batch, s.heads, seqlen_pad}, f32),
+                    dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
+  if (dot_vec.has_value()) {
+    params.dot_vec = dot_vec->data_ptr<float>();
+    params.dot_head_group = static_cast<int>(s.heads / dot_vec->size(1));
+    params.row_dot = out.row_dot.data_ptr<float>();
+  }
   params.x = x.data_ptr();
   params.x_view = view_of(x, layout);
   params.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
@@ -129,7 +145,7 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.head_dim = static_cast<int>(s.head_dim);
   params.out_scale = static_cast<float>(out_scale);
   params.dtype = elem_type_of(x);
-  check_launch(ai8::launch_quantize_per_token(params, stream), "quantize_per_token");
+  check_cuda(ai8::launch_quantize_per_token(params, stream), "launching quantize_per_token");
   return out;
 }
 
@@ -146,7 +162,7 @@ at::Tensor transpose_v(const at::Tensor& v, Layout layout, int64_t seqlen_pad, c
   params.seqlen = static_cast<int>(s.seqlen);
   params.seqlen_pad = static_cast<int>(seqlen_pad);
   params.head_dim = static_cast<int>(s.head_dim);
-  check_launch(ai8::launch_transpose_v(params, stream), "transpose_v");
+  check_cuda(ai8::launch_transpose_v(params, stream), "launching transpose_v");
   return v_t;
 }
 
@@ -173,22 +189,25 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   check_sizes(sk, "k");
   const double scale = sm_scale.has_value() ? *sm_scale : 1.0 / std::sqrt(static_cast<double>(sq.head_dim));
   TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0, "sm_scale must be a finite positive number, got ", scale);
-  const cudaDeviceProp& prop = checked_device_properties(q);
+  const Capability cc = checked_capability(q);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor lse = with_lse ? at::empty({sq.batch, sq.heads, sq.seqlen}, q.options().dtype(at::kFloat)) : at::Tensor();
   if (out.numel() == 0) return {out, lse};
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
   // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
   std::optional<at::Tensor> k_mean;
   if (smooth_k && sk.seqlen > 0) k_mean = at::mean(k, {seq_axis(layout)}, /*keepdim=*/false, at::kFloat).contiguous();
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
-  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream);
+  // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back.
+  const bool lse_shift = with_lse && k_mean.has_value();
+  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream,
+                                     lse_shift ? k_mean : std::nullopt);
   const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream);
-  const bool sm90 = use_sm90_kernel(prop, sq.head_dim);
+  const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
   const at::Tensor v_rows = sm90 ? v : v_with_aligned_rows(v, layout);
   const at::Tensor v_t = sm90 ? transpose_v(v, layout, k_q.values.size(2), stream) : at::Tensor();
 
@@ -213,7 +232,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.head_dim = static_cast<int>(sq.head_dim);
   params.causal = is_causal;
   params.dtype = elem_type_of(q);
-  check_launch(ai8::launch_attention_forward(params, stream), "attention_forward");
+  check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
+  if (lse_shift) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
   return {out, lse};
 }
 
@@ -242,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const
   const Layout layout = parse_layout(tensor_layout);
   const Shape s = shape_of(x, layout);
   check_sizes(s, "x");
-  checked_device_properties(x);
+  checked_capability(x);
   if (mean.has_value()) {
     TORCH_CHECK_TYPE(mean->scalar_type() == at::kFloat, "mean must be float32, got ", mean->scalar_type());
     TORCH_CHECK_VALUE(mean->device() == x.device(), "mean must be on ", x.device(), ", got ", mean->device());
@@ -251,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const
                       "] tensor, got ", mean->sizes());
   }
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const QuantizedRows rows = quantize(x, layout, mean, out_scale, /*row_multiple=*/1, at::cuda::getCurrentCUDAStream());
+  const QuantizedRows rows = quantize(x, layout, mean, out_scale, /*row_multiple=*/1, c10::cuda::getCurrentCUDAStream());
   return {rows.values, rows.scales};
 }
 
