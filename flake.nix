@@ -1,0 +1,29 @@
+{
+  description = "attention-int8: INT8 scaled-dot-product attention for the Hugging Face kernel hub";
+
+  # Prebuilt Torch/CUDA toolchains, so that a build does not compile every PyTorch from source.
+  nixConfig = {
+    extra-substituters = [ "https://huggingface.cachix.org" ];
+    extra-trusted-public-keys = [
+      "huggingface.cachix.org-1:ynTPbLS0W8ofXd9fDjk1KvoFky9K2jhxe6r4nXAkc/o="
+    ];
+  };
+
+  # `nix flake lock` pins this in flake.lock; `nix flake update` moves to a newer builder.
+  inputs = {
+    kernel-builder.url = "github:huggingface/kernels";
+  };
+
+  outputs =
+    { self, kernel-builder, ... }:
+    kernel-builder.lib.genKernelFlakeOutputs {
+      # The op namespace of each build is derived from self's git revision.
+      inherit self;
+      path = ./.;
+      # Test-only dependencies of `nix run .#ci-test` and the test shells.
+      pythonCheckInputs = pkgs: with pkgs; [
+        hypothesis
+        numpy
+      ];
+    };
+}

@@ -1,0 +1,301 @@
+"""Non-Nix build of the kernel into the kernels-hub layout, with nvcc and the installed torch.
+
+Reads the sources and CUDA capabilities from build.toml (the file kernel-builder reads), compiles the
+.cu files and the torch binding in parallel with warnings as errors, links the abi3 extension and
+assembles
+    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/metadata.json
+    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/attention_int8/{*.py, _ops.py, _attention_int8_cuda_<rev>.abi3.so}
+which `kernels.get_local_kernel(Path("build"))` and `torch.ops.load_library` both load.
+
+Environment: CUDA_CAPABILITIES="9.0 12.0" builds a subset (quick device builds), MAX_JOBS caps the
+parallel compiles, CUDA_HOME (default /usr/local/cuda) picks the toolkit, CXX the host
+compiler. `--import-check` only imports the built package in a fresh interpreter.
+"""
+
+import argparse
+import concurrent.futures
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+
+import torch
+
+TORCH_DIR = pathlib.Path(torch.__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"
+
+
+class Kernel:
+    """One [kernel.<name>] section with the CUDA backend."""
+
+    def __init__(self, name: str, section: dict):
+        self.name = name
+        self.src = [ROOT / s for s in section["src"]]
+        self.include_dirs = [ROOT / d for d in section.get("include", [])]
+        self.capabilities = sorted(section["cuda-capabilities"], key=_cap_key)
+
+
+class Config:
+    """What build.toml says, narrowed to the torch extension with CUDA kernels."""
+
+    def __init__(self, path: pathlib.Path):
+        toml = tomllib.loads(path.read_text())
+        general = toml["general"]
+        self.name = general["name"]
+        self.python_name = self.name.replace("-", "_")
+        self.version = general["version"]
+        self.license = general["license"]
+        self.torch_src = [ROOT / s for s in toml["torch"]["src"]]
+        self.kernels = [Kernel(n, k) for n, k in toml.get("kernel", {}).items() if k["backend"] == "cuda"]
+
+
+def _cap_key(cap: str) -> tuple[int, int, str]:
+    """Orders "8.0" < "9.0" < "9.0a" < "12.0"; a/f suffixes are arch- and family-specific targets."""
+    major, minor = cap.rstrip("af").split(".")
+    return int(major), int(minor), cap[len(cap.rstrip("af")):]
+
+
+def capabilities(kernel: Kernel) -> list[str]:
+    """The kernel's capabilities, narrowed by CUDA_CAPABILITIES="9.0 12.0" (which also selects 9.0a).
+
+    A kernel the override leaves without any (e.g. a Hopper-only one) keeps its own: its launchers
+    must still link, and the binding only calls them on GPUs they were built for.
+    """
+    wanted = set(os.environ.get("CUDA_CAPABILITIES", "").replace(",", " ").replace(";", " ").split())
+    return [c for c in kernel.capabilities if c.rstrip("af") in wanted] or kernel.capabilities
+
+
+def ptx_capability(caps: list[str]) -> str | None:
+    """The highest portable capability: its PTX is embedded too, so newer GPUs can JIT it."""
+    portable = [c for c in caps if c[-1].isdigit()]  # 9.0a/10.0f code runs on that arch (family) only
+    return portable[-1] if portable else None
+
+
+def gencode_flags(caps: list[str]) -> list[str]:
+    """SASS for every capability, plus the PTX of ptx_capability()."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (c.replace(".", "") for c in caps)]
+    if ptx := ptx_capability(caps):
+        flags.append(f"-gencode=arch=compute_{ptx.replace('.', '')},code=compute_{ptx.replace('.', '')}")
+    return flags
+
+
+def metadata_archs(kernels: list[Kernel]) -> list[str]:
+    """Every compiled capability, "+PTX" where PTX is embedded too (the kernels library's notation)."""
+    archs = set()
+    for kernel in kernels:
+        caps = capabilities(kernel)
+        archs |= {c + "+PTX" if c == ptx_capability(caps) else c for c in caps}
+    return sorted({a for a in archs if a + "+PTX" not in archs}, key=lambda a: _cap_key(a.removesuffix("+PTX")))
+
+
+def variant_name() -> str:
+    """The hub variant this torch loads, e.g. torch214-cxx11-cu130-x86_64-linux."""
+    if torch.version.cuda is None:
+        sys.exit(f"torch {torch.__version__} has no CUDA support: install a CUDA build of torch")
+    major, minor = torch.__version__.split(".")[:2]
+    cuda = "".join(torch.version.cuda.split(".")[:2])
+    abi = "cxx11" if torch.compiled_with_cxx11_abi() else "cxx98"
+    return f"torch{major}{minor}-{abi}-cu{cuda}-{platform.machine()}-{platform.system().lower()}"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def revision(sources: list[pathlib.Path]) -> str:
+    """Short HEAD commit (+ "_dirty" for uncommitted changes to tracked files), as Nix builds name it.
+
+    Without a commit (a fresh `git init`, or a source tarball) the sources' content hash stands in,
+    so the op namespace still changes whenever the code does.
+    """
+    rev = _git("rev-parse", "--short=7", "HEAD")
+    if rev is None:
+        digest = hashlib.sha256()
+        for src in sorted(sources):
+            digest.update(src.read_bytes())
+        rev = f"src{digest.hexdigest()[:7]}"
+    elif _git("status", "--porcelain", "--untracked-files=no"):
+        rev += "_dirty"
+    return re.sub(r"\W", "_", rev)
+
+
+def cuda_home() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+
+
+def wheel_cuda_includes() -> list[pathlib.Path]:
+    """Headers of the CUDA libraries torch's nvidia-* wheels ship (cusparse.h, cublas_v2.h, ...).
+
+    ATen/cuda headers include them, and a minimal toolkit (nvcc + cudart) lacks them.
+    """
+    spec = importlib.util.find_spec("nvidia")
+    locations = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
+    return sorted(p for loc in locations for p in pathlib.Path(loc).glob("*/include"))
+
+
+def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs: int):
+    """(object, command) for every translation unit: each .cu for its kernel's capabilities, then the binding."""
+    cuda = cuda_home()
+    defines = [
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        "-DUSE_CUDA=1",
+        "-DCUDA_KERNEL",  # kernel-builder defines both for CUDA builds
+    ]
+    cu_files = [(k, s) for k in config.kernels for s in k.src if s.suffix == ".cu"]
+    nvcc = [
+        str(cuda / "bin" / "nvcc"), "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
+        "-Werror", "all-warnings",
+        # Host side too: a launcher defined with a signature the header does not declare is an error.
+        "-Xcompiler", "-fPIC,-fno-gnu-unique,-Wall,-Wextra,-Wmissing-declarations,-Werror",
+        # nvcc compiles one gencode target per thread; share the cores among the .cu files.
+        f"--threads={max(1, jobs // max(1, len(cu_files)))}",
+        *defines,
+    ]
+    # torch, Python and CUDA headers are -isystem: warnings as errors apply to our code only.
+    torch_include = TORCH_DIR / "include"
+    system = [torch_include, torch_include / "torch" / "csrc" / "api" / "include", sysconfig.get_paths()["include"],
+              cuda / "include", *wheel_cuda_includes()]
+    cxx = [
+        # Recent torch headers (2.14) require C++20; the torch-free .cu files stay at C++17.
+        os.environ.get("CXX", "g++"), "-std=c++20", "-O3", "-fPIC", "-fno-gnu-unique",
+        "-Wall", "-Wextra", "-Werror", "-Wmissing-declarations",
+        # Only the binding names the namespace, so a new revision does not recompile the kernels.
+        f"-DTORCH_EXTENSION_NAME={ops_name}", "-DPy_LIMITED_API=0x03090000", *defines,
+        *(f"-I{d}" for k in config.kernels for d in k.include_dirs), *(f"-isystem{d}" for d in system),
+    ]
+    units = [(s, [*nvcc, *gencode_flags(capabilities(k)), *(f"-I{d}" for d in k.include_dirs)])
+             for k, s in cu_files]
+    units += [(s, cxx) for s in config.torch_src if s.suffix == ".cpp"]
+    return [
+        (obj, [*base, "-c", str(src), "-o", str(obj)])
+        for src, base in units
+        for obj in [obj_dir / (src.relative_to(ROOT).as_posix().replace("/", "_") + ".o")]
+    ]
+
+
+def up_to_date(obj: pathlib.Path, cmd: list[str], inputs: list[pathlib.Path]) -> bool:
+    """An object is reused only if it is newer than every input and was built by the same command."""
+    stamp = obj.with_suffix(".cmd")
+    return (
+        obj.exists()
+        and stamp.exists()
+        and json.loads(stamp.read_text()) == cmd
+        and all(obj.stat().st_mtime >= i.stat().st_mtime for i in inputs)
+    )
+
+
+def run(cmd: list[str]) -> str | None:
+    """Runs a compiler; returns its command line and output if it failed."""
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    return f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}" if result.returncode else None
+
+
+def build(config: Config) -> pathlib.Path:
+    variant = variant_name()
+    kernel_src = [s for k in config.kernels for s in k.src]
+    package_py = sorted(p for p in (ROOT / "torch-ext" / config.python_name).glob("*.py") if p.name != "_ops.py")
+    ops_name = f"_{config.python_name}_cuda_{revision(config.torch_src + kernel_src + package_py)}"
+    obj_dir = BUILD / "_obj" / variant
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+
+    # Headers are not tracked per object: any change to a listed source rebuilds everything.
+    inputs = [*config.torch_src, *kernel_src, ROOT / "build.toml", ROOT / "torch-ext" / "registration.h"]
+    commands = compile_commands(config, ops_name, obj_dir, jobs)
+    todo = [(obj, cmd) for obj, cmd in commands if not up_to_date(obj, cmd, inputs)]
+    archs = metadata_archs(config.kernels)
+    print(f"[build] {variant}, namespace {ops_name}, archs {' '.join(archs)}: "
+          f"{len(todo)} of {len(commands)} objects to compile with {jobs} jobs", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run, cmd): (obj, cmd) for obj, cmd in todo}
+        failures = []
+        for future in concurrent.futures.as_completed(futures):
+            obj, cmd = futures[future]
+            if future.result() is not None:
+                failures.append(future.result())
+            else:
+                obj.with_suffix(".cmd").write_text(json.dumps(cmd))  # also read by the tests
+                print(f"[build] compiled {obj.name}", flush=True)
+    if failures:
+        sys.exit("\n\n".join(failures))
+
+    so = obj_dir / "extension.so"  # installed under its revision's name below
+    link_dirs = [TORCH_DIR / "lib", cuda_home() / "lib64"]
+    # The same libraries torch.utils.cpp_extension links; no rpath: importing torch loads them first.
+    libs = ["c10", "torch", "torch_cpu", "torch_cuda", "c10_cuda", "cudart"]
+    failure = run([os.environ.get("CXX", "g++"), "-shared", *(str(o) for o, _ in commands), "-o", str(so),
+                   *(f"-L{d}" for d in link_dirs), *(f"-l{lib}" for lib in libs)])
+    if failure:
+        sys.exit(failure)
+
+    variant_dir = BUILD / variant
+    package = variant_dir / config.python_name
+    shutil.rmtree(variant_dir, ignore_errors=True)  # no stale .so or .py of an earlier revision
+    package.mkdir(parents=True)
+    for py in package_py:
+        shutil.copy2(py, package)
+    (package / "_ops.py").write_text(
+        "import torch\n"
+        f"from . import {ops_name}\n"
+        f"ops = torch.ops.{ops_name}\n\n\n"
+        "def add_op_namespace_prefix(op_name: str) -> str:\n"
+        '    """Prefix an op name with the namespace of this build."""\n'
+        f'    return f"{ops_name}::{{op_name}}"\n'
+    )
+    shutil.copy2(so, package / f"{ops_name}.abi3.so")
+    metadata = {
+        "name": config.name,
+        "id": ops_name,
+        "version": config.version,
+        "license": config.license,
+        "python-depends": [],
+        "kernel-depends": [],
+        "backend": {"type": "cuda", "archs": archs},
+    }
+    (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    print(f"[build] wrote {variant_dir.relative_to(ROOT)} (torch {torch.__version__})", flush=True)
+    return variant_dir
+
+
+def import_check(config: Config) -> None:
+    """Import the built package in a fresh interpreter, as a hub loader would, and name its ops."""
+    variant_dir = BUILD / variant_name()
+    package = variant_dir / config.python_name
+    if not package.is_dir():
+        package = variant_dir  # kernel-builder (Nix) builds put the package files in the variant dir
+    code = (
+        "import importlib, importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location({config.python_name!r}, {str(package / '__init__.py')!r})\n"
+        "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "ops = importlib.import_module(spec.name + '._ops').ops\n"
+        "print(f'[import-check] {spec.origin}: torch.ops.{ops.name}')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--import-check", action="store_true", help="only import the built package")
+    args = parser.parse_args()
+    config = Config(ROOT / "build.toml")
+    if not args.import_check:
+        build(config)
+    import_check(config)
+
+
+if __name__ == "__main__":
+    main()
