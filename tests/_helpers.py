@@ -1,0 +1,190 @@
+"""Shared test helpers: accuracy metrics, input makers, output poisoning and the per-case kernel check."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+# Accuracy of the INT8 scheme against exact float64 attention. Measured with the reference on standard
+# normal inputs (N up to 2k, D 64-128, fp16/bf16): cos >= 0.99991, rel L1 <= 0.013, LSE within 0.016.
+COS_MIN = 0.9995
+REL_L1_MAX = 0.02
+LSE_ATOL = 0.05
+# Kernel vs reference LSE: both sum P in fp32 before rounding it, so only fp32 reassociation and rare INT8
+# ties differ (a CPU emulation of the online kernel: <= 5e-5).
+LSE_REF_ATOL = 1e-3
+
+KINDS = ("normal", "k_offset", "q_shift")
+
+# The binding runs the Hopper (wgmma) kernel for head_dim 128 on compute capability 9.0 and the portable
+# mma.sync kernel otherwise; ATTENTION_INT8_FORCE_PORTABLE=1 (read per call) forces the portable one.
+KERNELS = ("auto", "portable")
+
+
+def select_kernel(monkeypatch, kernel):
+    monkeypatch.setenv("ATTENTION_INT8_FORCE_PORTABLE", "1" if kernel == "portable" else "0")
+
+
+def kernels_for(case):
+    """Both choices for head_dim 128; other head dims run the portable kernel anyway."""
+    return KERNELS if case.head_dim == 128 else KERNELS[:1]
+
+
+def kernel_params(cases):
+    """pytest params (case, kernel) for every case and each of its kernels."""
+    return [pytest.param(case, kernel, id=f"{case}-{kernel}") for case in cases for kernel in kernels_for(case)]
+
+
+def metrics(out, ref):
+    """Cosine similarity, relative L1 (sum|o - r| / sum|r|) and max abs error, in float64."""
+    o, r = out.double().flatten(), ref.double().flatten()
+    o_norm, r_norm, r_l1 = o.norm().item(), r.norm().item(), r.abs().sum().item()
+    err = (o - r).abs()
+    # An all-zero reference (every row masked) is matched only by an all-zero output.
+    cos = (o @ r).item() / (o_norm * r_norm) if o_norm * r_norm > 0 else float(o_norm == r_norm)
+    rel_l1 = err.sum().item() / r_l1 if r_l1 > 0 else (0.0 if err.sum().item() == 0 else math.inf)
+    return {"cos": cos, "rel_l1": rel_l1, "max_abs": err.max().item() if err.numel() else 0.0}
+
+
+def accuracy_failures(out, exact, what=""):
+    """Why `out` is not an accurate INT8 attention result against the float64 `exact` ([] if it is)."""
+    if not torch.isfinite(out).all():
+        return [f"{what}: non-finite output"]
+    m = metrics(out, exact)
+    if m["cos"] >= COS_MIN and m["rel_l1"] <= REL_L1_MAX:
+        return []
+    return [f"{what}: cos {m['cos']:.6f} (min {COS_MIN}), rel L1 {m['rel_l1']:.4f} (max {REL_L1_MAX})"]
+
+
+def assert_accurate(out, exact, what=""):
+    failures = accuracy_failures(out, exact, what)
+    assert not failures, failures[0]
+
+
+def reference_bound(v, dtype):
+    """Largest |kernel - reference| the scheme allows for one output element.
+
+    Kernel and reference quantize to the same INT8 values (up to rare +-1 ties where the K means differ
+    in the last fp32 bit) and compute the same fp32 logits. What remains: the kernel rounds P to the
+    input dtype at a running row max and rescales, the reference at the final max; each weight is then
+    within half an ulp (eps / 2, relative) of exact, so the weights differ by <= eps and the output by
+    <= eps * max|v| (softmax weights sum to 1). Rounding the two fp32 outputs to the dtype adds at most
+    one more ulp <= eps * max|v|. A CPU emulation of the online kernel stays within 0.2 * eps * max|v|.
+    """
+    return 2 * torch.finfo(dtype).eps * v.abs().max().item()
+
+
+def reference_failures(out, ref, v, what=""):
+    bound = reference_bound(v, out.dtype)
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    return [] if err <= bound else [f"{what}: max |kernel - reference| {err:.3e} > bound {bound:.3e}"]
+
+
+def lse_failures(lse, ref_lse, atol, what=""):
+    """LSE must match including its infinities (-inf for rows without a visible key)."""
+    same_inf = torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    err = (lse.double() - ref_lse.double())[finite].abs().max().item() if finite.any() else 0.0
+    if same_inf and torch.isfinite(lse[finite]).all() and err <= atol:
+        return []
+    return [f"{what}: LSE max error {err:.3e} (atol {atol:.1e}), -inf rows match: {same_inf}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem. `kind`: "normal" (standard normal q, k, v), "k_offset" (K plus a per-channel
+    offset 10 * randn(D) shared by all keys: what smoothing is for) or "q_shift" (Q plus randn(D))."""
+
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int = 2
+    seqlen_q: int = 128
+    seqlen_kv: int = 128
+    head_dim: int = 64
+    is_causal: bool = False
+    dtype: torch.dtype = torch.float16
+    layout: str = "HND"
+    kind: str = "normal"
+
+    def __str__(self):
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-N{self.seqlen_q}/{self.seqlen_kv}-D{self.head_dim}"
+                f"{'-causal' if self.is_causal else ''}-{dtype}-{self.layout}-{self.kind}")
+
+
+def to_layout(x_hnd, layout):
+    """A dense tensor in `layout` holding the values of x_hnd [B, H, N, D]."""
+    return x_hnd if layout == "HND" else x_hnd.transpose(1, 2).contiguous()
+
+
+def make_qkv(case, device="cpu", generator=None):
+    """Fresh q, k, v for `case`, dense in its layout (pass a seeded `generator` to reproduce them)."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    b, d = case.batch, case.head_dim
+    q = randn(b, case.heads_q, case.seqlen_q, d)
+    k = randn(b, case.heads_kv, case.seqlen_kv, d)
+    v = randn(b, case.heads_kv, case.seqlen_kv, d)
+    if case.kind == "k_offset":
+        k = k + 10 * randn(b, case.heads_kv, 1, d)
+    elif case.kind == "q_shift":
+        q = q + randn(b, case.heads_q, 1, d)
+    elif case.kind != "normal":
+        raise ValueError(f"unknown input kind {case.kind!r}")
+    return tuple(to_layout(t.to(case.dtype), case.layout) for t in (q, k, v))
+
+
+def poison_like(t):
+    """A tensor like t filled with NaN: any element a kernel fails to write stays visibly wrong."""
+    return torch.full_like(t, math.nan)
+
+
+def check_case(ai8, case, generator=None):
+    """Run the op on `case` (CUDA) and return every way it disagrees with the references ([] if none)."""
+    q, k, v = make_qkv(case, "cuda", generator)
+    kwargs = dict(is_causal=case.is_causal, tensor_layout=case.layout, return_lse=True)
+    out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
+    ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
+    exact, exact_lse = ai8.reference.attention_float64(q, k, v, **kwargs)
+    what = str(case)
+    failures = []
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        failures.append(f"{what}: output {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}")
+    failures += accuracy_failures(out, exact, what)
+    failures += reference_failures(out, ref, v, what)
+    failures += lse_failures(lse, ref_lse, LSE_REF_ATOL, what + " vs reference")
+    failures += lse_failures(lse, exact_lse, LSE_ATOL, what + " vs float64")
+    return failures
+
+
+def check_quantize(ai8, x, mean=None, out_scale=1.0, layout="HND"):
+    """The quantizer op against the reference: deterministic fp32 arithmetic on both sides (IEEE division,
+    round-half-even, the same mean tensor), so int8 values and scales must be bit-identical."""
+    x_q, scale = ai8.quantize_per_token(x, mean, out_scale=out_scale, tensor_layout=layout)
+    ref_q, ref_scale = ai8.reference.quantize_per_token(x if layout == "HND" else x.transpose(1, 2), mean, out_scale)
+    what = f"quantize {tuple(x.shape)} {layout} mean={mean is not None}"
+    failures = []
+    if x_q.shape != ref_q.shape or x_q.dtype != torch.int8 or scale.dtype != torch.float32:
+        failures.append(f"{what}: got {tuple(x_q.shape)} {x_q.dtype}, {scale.dtype}")
+    elif not (torch.equal(x_q, ref_q) and torch.equal(scale, ref_scale)):
+        failures.append(f"{what}: {(x_q != ref_q).sum().item()} int8 values and "
+                        f"{(scale != ref_scale).sum().item()} scales differ")
+    return failures
+
+
+# Small and odd shapes: single rows, tails of the 128-row query tile and 64-key tile, Nq > Nkv under the
+# causal mask (rows with no key), GQA/MQA, both layouts, every head dim and dtype. Used by the GPU sweep
+# and by tests/sanitizer_cases.py (compute-sanitizer).
+ODD_CASES = (
+    Case(heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1),
+    Case(seqlen_q=1, seqlen_kv=200, head_dim=96, dtype=torch.bfloat16),
+    Case(seqlen_q=65, seqlen_kv=65, head_dim=128, is_causal=True),
+    Case(seqlen_q=129, seqlen_kv=129, is_causal=True, layout="NHD", dtype=torch.bfloat16),
+    Case(seqlen_q=200, seqlen_kv=65, is_causal=True, head_dim=96),
+    Case(seqlen_q=129, seqlen_kv=1, is_causal=True, head_dim=128, layout="NHD"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=65, seqlen_kv=129, head_dim=128, layout="NHD"),
+    Case(batch=2, heads_q=3, heads_kv=1, seqlen_q=200, seqlen_kv=200, is_causal=True, dtype=torch.bfloat16),
+    Case(heads_q=4, heads_kv=1, seqlen_q=64, seqlen_kv=129, head_dim=96, layout="NHD", kind="k_offset"),
+)

@@ -1,0 +1,38 @@
+"""The op on the smallest and oddest shapes, small enough for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tests/sanitizer_cases.py    (also racecheck, synccheck, initcheck)
+
+Covers N = 1, tails of the 128-row query and 64/128-key tiles (65, 129, 200), Nq > Nkv under the causal
+mask, GQA/MQA, both layouts, D 64/96/128 (tests/_helpers.py: ODD_CASES) on both kernels, and the standalone
+quantizer. Exits non-zero if any result disagrees with the references.
+"""
+
+import os
+import sys
+
+import torch
+
+from _helpers import ODD_CASES, check_case, check_quantize, kernels_for, to_layout
+from conftest import load_package
+
+
+def main():
+    ai8 = load_package()
+    generator = torch.Generator("cuda").manual_seed(0)
+    failures = []
+    for case in ODD_CASES:
+        for kernel in kernels_for(case):
+            os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "1" if kernel == "portable" else "0"
+            failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
+    x = torch.randn(1, 3, 65, 96, device="cuda", generator=generator).half()
+    mean = torch.randn(1, 3, 96, device="cuda", generator=generator)
+    for layout in ("HND", "NHD"):
+        failures += check_quantize(ai8, to_layout(x, layout), mean, 0.5, layout)
+    for failure in failures:
+        print("FAIL", failure)
+    print(f"{len(ODD_CASES)} attention cases and 2 quantizer cases: {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The quantization scheme itself, through the pure-PyTorch reference, on CPU (runs in CI).
+
+The GPU tests hold the kernel to this reference; these hold the reference (the scheme) to exact float64
+attention, and check the quantizer's properties one by one.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from _helpers import LSE_ATOL, Case, accuracy_failures, lse_failures, make_qkv, metrics
+
+# (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
+# mask (leading rows see no key), Nq < Nkv, and a long square case.
+SHAPES = [(1, 1, False), (1, 1, True), (3, 200, False), (65, 65, True), (129, 200, False), (200, 129, True),
+          (129, 1024, True), (1000, 1000, False), (1024, 1024, True)]
+HEADS = [(2, 2), (4, 1), (6, 2)]
+LAYOUTS = ["HND", "NHD"]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _grid():
+    """Every shape x head dim x dtype; heads, layout and input kind rotate so each value meets many others."""
+    for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, (64, 96, 128), DTYPES)):
+        hq, hkv = HEADS[i % len(HEADS)]
+        yield Case(heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, head_dim=d, is_causal=causal, dtype=dtype,
+                   layout=LAYOUTS[(i // 2) % 2], kind=("normal", "k_offset", "q_shift")[(i // 3) % 3])
+
+
+@pytest.mark.parametrize("case", list(_grid()), ids=str)
+def test_scheme_accuracy(ai8, case):
+    q, k, v = make_qkv(case)
+    kwargs = dict(is_causal=case.is_causal, tensor_layout=case.layout, return_lse=True)
+    out, lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
+    exact, exact_lse = ai8.reference.attention_float64(q, k, v, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (case.batch, case.heads_q, case.seqlen_q) and lse.dtype == torch.float32
+    failures = accuracy_failures(out, exact, str(case)) + lse_failures(lse, exact_lse, LSE_ATOL, str(case))
+    assert not failures, failures
+
+
+def test_smoothing_is_softmax_invariant(ai8):
+    """Subtracting K's token mean leaves float64 attention unchanged and shifts the LSE by q . mean(K)."""
+    q, k, v = (t.double() for t in make_qkv(Case(seqlen_q=100, seqlen_kv=300, kind="k_offset")))
+    mean = k.mean(dim=-2, keepdim=True)
+    out, lse = ai8.reference.attention_float64(q, k, v, return_lse=True)
+    out_smooth, lse_smooth = ai8.reference.attention_float64(q, k - mean, v, return_lse=True)
+    shift = (q @ mean.transpose(-1, -2)).squeeze(-1) * q.shape[-1] ** -0.5
+    assert (out - out_smooth).abs().max() <= 1e-12
+    assert (lse - (lse_smooth + shift)).abs().max() <= 1e-10
+    assert shift.abs().max() > 1  # the channel offset makes the LSE shift large
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_smoothing_matters(ai8, dtype):
+    """On keys with a shared channel offset, quantizing without smoothing spends the INT8 range on the offset."""
+    q, k, v = make_qkv(Case(seqlen_q=256, seqlen_kv=512, head_dim=128, dtype=dtype, kind="k_offset"))
+    exact = ai8.reference.attention_float64(q, k, v)
+    err = {smooth: metrics(ai8.reference.int8_attention_reference(q, k, v, smooth_k=smooth), exact)["rel_l1"]
+           for smooth in (True, False)}
+    # Measured: ~0.009 with smoothing, ~0.055 without.
+    assert err[True] <= 0.02 and err[False] >= 3 * err[True], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 65504.0])
+def test_quantize_properties(ai8, dtype, magnitude):
+    x = ((torch.rand(2, 3, 77, 128) * 2 - 1) * magnitude).to(dtype)  # up to fp16's largest finite value
+    x_q, scale = ai8.reference.quantize_per_token(x)
+    assert x_q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    # Symmetric range: the row's largest |x| maps to exactly 127, and -x quantizes to -x_q.
+    assert torch.equal(x_q.abs().amax(dim=-1), torch.full_like(scale, 127, dtype=torch.int8))
+    neg_q, neg_scale = ai8.reference.quantize_per_token(-x)
+    assert torch.equal(neg_q, -x_q) and torch.equal(neg_scale, scale)
+    # Round to nearest: |x_q * scale - x| <= scale / 2, up to the fp32 rounding of 127 / amax and x * inv.
+    err = (x_q.double() * scale.double()[..., None] - x.double()).abs()
+    assert (err <= scale.double()[..., None] * (0.5 + 1e-4)).all()
+    # Same integers as the exact float64 quantization, except where fp32 rounding lands across a tie.
+    x64 = x.double()
+    ideal = torch.round(x64 * 127 / x64.abs().amax(dim=-1, keepdim=True))
+    diff = (x_q.double() - ideal).abs()
+    assert diff.max() <= 1 and (diff > 0).double().mean() <= 1e-3
+
+
+def test_quantize_rounds_half_to_even(ai8):
+    # amax = 127 makes 127 / amax exactly 1, so x * inv lands exactly on the halves.
+    x = torch.zeros(1, 1, 1, 64, dtype=torch.float16)
+    x[..., :7] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, 1.5, -1.5])
+    x_q, scale = ai8.reference.quantize_per_token(x)
+    assert x_q[..., :7].flatten().tolist() == [127, 2, 4, -2, 0, 2, -2]
+    assert scale.item() == 1.0
+
+
+def test_quantize_mean_and_out_scale(ai8):
+    x = torch.randn(2, 2, 50, 64).half()
+    mean = torch.randn(2, 2, 64)
+    x_q, scale = ai8.reference.quantize_per_token(x, mean, out_scale=0.3)
+    x_q_ref, scale_ref = ai8.reference.quantize_per_token(x.float() - mean[:, :, None])
+    assert torch.equal(x_q, x_q_ref)
+    assert torch.equal(scale, scale_ref * torch.tensor(0.3, dtype=torch.float32))
+
+
+def test_quantize_zero_and_non_finite_rows(ai8):
+    x = torch.randn(1, 2, 6, 96).half()
+    x[0, 0, 1] = 0
+    x[0, 1, 2, 5] = math.nan
+    x[0, 1, 4, 0] = math.inf
+    x_q, scale = ai8.reference.quantize_per_token(x)
+    assert scale[0, 0, 1] == 0 and (x_q[0, 0, 1] == 0).all()
+    assert scale[0, 1, 2].isnan() and scale[0, 1, 4].isnan()
+    bad = torch.zeros_like(scale, dtype=torch.bool)
+    bad[0, 1, 2] = bad[0, 1, 4] = True
+    assert torch.isfinite(scale[~bad]).all()
+    # Rows are independent: the finite rows quantize as they would on their own.
+    alone_q, alone_scale = ai8.reference.quantize_per_token(x[~bad][None])
+    assert torch.equal(alone_q[0], x_q[~bad]) and torch.equal(alone_scale[0], scale[~bad])
+
+
+def test_rows_without_keys(ai8):
+    """Nq > Nkv under the bottom-right causal mask: the first Nq - Nkv rows see no key -> 0 and LSE -inf."""
+    q, k, v = make_qkv(Case(seqlen_q=300, seqlen_kv=100, is_causal=True))
+    for fn in (ai8.reference.int8_attention_reference, ai8.reference.attention_float64):
+        out, lse = fn(q, k, v, is_causal=True, return_lse=True)
+        assert (out[:, :, :200] == 0).all() and torch.isneginf(lse[:, :, :200]).all()
+        assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 200:]).all()
+        assert (out[:, :, 200:].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_kv", [(0, 0), (0, 64), (64, 0)])
+def test_empty_sequences(ai8, seqlen_q, seqlen_kv):
+    q, k, v = make_qkv(Case(seqlen_q=seqlen_q, seqlen_kv=seqlen_kv))
+    out, lse = ai8.reference.int8_attention_reference(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_bottom_right_causal_matches_sdpa_for_square(ai8):
+    """For Nq == Nkv the convention equals SDPA's is_causal; the float64 reference must agree with it."""
+    q, k, v = (t.double() for t in make_qkv(Case(seqlen_q=77, seqlen_kv=77)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (ai8.reference.attention_float64(q, k, v, is_causal=True) - sdpa).abs().max() <= 1e-12
+
+
+def test_nan_propagates(ai8):
+    q, k, v = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64))
+    q[0, 1, 5, 3] = math.nan
+    out = ai8.reference.int8_attention_reference(q, k, v)
+    bad = torch.zeros(out.shape[:-1], dtype=torch.bool)
+    bad[0, 1, 5] = True
+    assert out[bad].isnan().all() and torch.isfinite(out[~bad]).all()
+
+
+def test_timestep_argument_is_gone(ai8):
+    """The original kernel's `timestep` scaled Q's quantization inconsistently; the API no longer takes it."""
+    q, k, v = make_qkv(Case(seqlen_q=8, seqlen_kv=8))
+    with pytest.raises(TypeError, match="timestep"):
+        ai8.int8_attention_forward(q, k, v, timestep=1)
+    for name in ("int8_attention_forward", "int8_attention_forward_with_lse", "quantize_per_token"):
+        assert "timestep" not in str(getattr(ai8.ops, name).default._schema)

@@ -1,0 +1,171 @@
+"""Pure-PyTorch reference of the attention_int8 scheme (the CPU path), and exact float64 attention.
+
+The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
+
+1. K smoothing (``smooth_k``): ``K' = K - mean_tokens(K)`` in fp32. Every logit of a query row moves by
+   the same constant ``q . mean(K)``, so the softmax is unchanged, but channel offsets shared by all keys
+   no longer eat the INT8 range.
+2. Per-token symmetric INT8 in fp32: ``amax = max_d |x|``, ``x_q = round_half_even(x * (127 / amax))``
+   (the fp32 quotient first, then the product), clamped to [-127, 127];
+   ``scale = amax / 127 * out_scale``. ``amax == 0`` gives ``x_q = 0, scale = 0``; a row holding a
+   non-finite value gets a NaN scale (its ``x_q`` is unspecified; here 0), so NaN reaches the output.
+   Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
+3. ``S2[i, j] = (q_q[i] . k_q[j]) * q_scale[i] * k_scale[j]``: exact integer dot products dequantized in
+   fp32. S2 is the logit in base 2.
+4. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
+   input dtype (fp16/bf16), ``O = (P V) / l`` accumulated in fp32 and cast to the input dtype.
+5. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . mean(K))`` (fp32): the log-sum-exp of the true scaled
+   logits. Smoothing leaves the softmax unchanged but shifts its normalizer, so the shift is added back
+   (only with ``smooth_k``).
+
+Masking is bottom-right aligned: query i sees key j iff ``j <= i + Nkv - Nq``; a row that sees no key
+outputs 0 with LSE -inf. GQA/MQA: query head h reads K/V head ``h // (Hq // Hkv)``.
+
+The CUDA kernel runs step 4 as an online softmax over key tiles, so it rounds P at a running max and
+rescales; this reference rounds P at the final row max. Everything else is the same arithmetic, so the
+two agree to within the rounding of P and of the output (see tests/test_kernel_gpu.py).
+"""
+
+import math
+
+import torch
+
+__all__ = ["quantize_per_token", "int8_attention_reference", "attention_float64"]
+
+LOG2E = math.log2(math.e)
+
+# Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
+_MAX_SCORE_ELEMENTS = 1 << 25
+
+
+def quantize_per_token(x, mean=None, out_scale=1.0):
+    """Per-token symmetric INT8 quantization of ``x`` [..., N, D].
+
+    ``mean`` [..., D] (fp32, optional) is subtracted first (K smoothing). Returns ``(x_q, scale)``:
+    int8 [..., N, D] and fp32 [..., N] with ``x - mean ~= x_q * scale / out_scale``.
+    """
+    x = x.float()
+    if mean is not None:
+        x = x - mean.float().unsqueeze(-2)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # Tensor-by-tensor fp32 division on purpose: `127.0 / t` is computed by PyTorch as reciprocal(t) * 127
+    # and `t / 127` on CUDA as t * (1 / 127), each one rounding more than the kernel's IEEE division.
+    inv = torch.full_like(amax, 127.0) / amax
+    x_q = torch.round(x * inv).clamp_(-127, 127)
+    scale = amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale)
+    finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+    x_q = torch.where(finite & (amax > 0), x_q, torch.zeros_like(x_q)).to(torch.int8)
+    scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
+    return x_q, scale.squeeze(-1)
+
+
+def _to_hnd(t, tensor_layout):
+    if tensor_layout not in ("HND", "NHD"):
+        raise ValueError(f'tensor_layout must be "HND" or "NHD", got {tensor_layout!r}')
+    return t if tensor_layout == "HND" else t.transpose(1, 2)
+
+
+def _from_hnd(t, tensor_layout):
+    return (t if tensor_layout == "HND" else t.transpose(1, 2)).contiguous()
+
+
+def _row_chunks(batch, heads, seqlen_q, seqlen_kv):
+    rows = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * heads * seqlen_kv))
+    for start in range(0, seqlen_q, rows):
+        yield start, min(seqlen_q, start + rows)
+
+
+def _visible(start, stop, seqlen_q, seqlen_kv, is_causal, device):
+    """[rows, Nkv] mask of the keys each query row in [start, stop) sees (None: all keys)."""
+    if not is_causal:
+        return None
+    rows = torch.arange(start, stop, device=device)[:, None]
+    cols = torch.arange(seqlen_kv, device=device)[None, :]
+    return cols <= rows + (seqlen_kv - seqlen_q)
+
+
+def _row_has_key(start, stop, seqlen_q, seqlen_kv, is_causal, device):
+    rows = torch.arange(start, stop, device=device)
+    last_key = rows + (seqlen_kv - seqlen_q) if is_causal else torch.full_like(rows, seqlen_kv - 1)
+    return last_key >= 0
+
+
+def _repeat_heads(t, group):
+    """K/V heads repeated for GQA: query head h reads K/V head h // group (no copy when group == 1)."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _prepare(q, k, v, sm_scale, tensor_layout):
+    q, k, v = (_to_hnd(t, tensor_layout) for t in (q, k, v))
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return q, k, v, heads_q // heads_kv, sm_scale
+
+
+def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
+                             return_lse=False):
+    """The INT8 scheme of the module docstring, in PyTorch (any device). Same signature and outputs as
+    ``attention_int8.int8_attention_forward``: ``out`` (dtype and layout of q) or ``(out, lse)``."""
+    q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
+    batch, heads_q, seqlen_q, _ = q.shape
+    seqlen_kv = k.shape[2]
+    k_mean = k.float().mean(dim=-2) if smooth_k and seqlen_kv > 0 else None
+    q_q, q_scale = quantize_per_token(q, out_scale=sm_scale * LOG2E)
+    k_q, k_scale = quantize_per_token(k, k_mean)
+    # |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them
+    # is exact in any summation order (TF32 too: 8-bit integers fit its mantissa). Likewise P and V are
+    # fp16/bf16 values, exact in fp32/TF32, and only the accumulation rounds.
+    k_q = _repeat_heads(k_q, group).float()
+    k_scale = _repeat_heads(k_scale, group)
+    v = _repeat_heads(v, group).float()
+
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
+    for start, stop in _row_chunks(batch, heads_q, seqlen_q, seqlen_kv):
+        s2 = q_q[:, :, start:stop].float() @ k_q.transpose(-1, -2)
+        s2 = s2 * q_scale[:, :, start:stop, None] * k_scale[:, :, None, :]
+        visible = _visible(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
+        if visible is not None:
+            s2 = s2.masked_fill(~visible, -math.inf)
+        has_key = _row_has_key(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
+        m = s2.amax(dim=-1, keepdim=True) if seqlen_kv > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)
+        m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # rows without a key: 2^(-inf - 0) = 0
+        p = torch.exp2(s2 - m)
+        row_sum = p.sum(dim=-1, keepdim=True)
+        o = (p.to(q.dtype).float() @ v) / row_sum
+        out[:, :, start:stop] = torch.where(has_key[:, None], o, torch.zeros_like(o))
+        row_lse = (m + torch.log2(row_sum)).squeeze(-1) * math.log(2.0)
+        lse[:, :, start:stop] = torch.where(has_key, row_lse, lse[:, :, start:stop])
+    if k_mean is not None:  # step 5: add back the shift q . mean(K) that smoothing took out of the logits
+        lse += (q.float() @ _repeat_heads(k_mean, group).unsqueeze(-1)).squeeze(-1) * sm_scale
+    out = _from_hnd(out.to(q.dtype), tensor_layout)
+    return (out, lse) if return_lse else out
+
+
+def attention_float64(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", return_lse=False):
+    """Exact softmax attention in float64 with the same masking, GQA and layout conventions.
+
+    Returns float64 ``out`` in the layout of q, or ``(out, lse)`` with the natural-log LSE [B, Hq, Nq]."""
+    q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
+    batch, heads_q, seqlen_q, _ = q.shape
+    seqlen_kv = k.shape[2]
+    k = _repeat_heads(k, group).double()
+    v = _repeat_heads(v, group).double()
+
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float64, device=q.device)
+    for start, stop in _row_chunks(batch, heads_q, seqlen_q, seqlen_kv):
+        s = (q[:, :, start:stop].double() @ k.transpose(-1, -2)) * sm_scale
+        visible = _visible(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
+        if visible is not None:
+            s = s.masked_fill(~visible, -math.inf)
+        has_key = _row_has_key(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
+        row_lse = torch.logsumexp(s, dim=-1)
+        safe_lse = torch.where(has_key, row_lse, torch.zeros_like(row_lse))
+        o = torch.exp(s - safe_lse[..., None]) @ v
+        out[:, :, start:stop] = torch.where(has_key[:, None], o, torch.zeros_like(o))
+        lse[:, :, start:stop] = torch.where(has_key, row_lse, lse[:, :, start:stop])
+    out = _from_hnd(out, tensor_layout)
+    return (out, lse) if return_lse else out
