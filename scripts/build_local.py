@@ -146,6 +146,12 @@ def wheel_cuda_includes() -> list[pathlib.Path]:
     return sorted(p for loc in locations for p in pathlib.Path(loc).glob("*/include"))
 
 
+def torch_cxx_standard(torch_include: pathlib.Path) -> str:
+    """c++20 for torch whose ATen.h demands it (2.14 and newer), else c++17, as torch's cpp_extension picks."""
+    aten = (torch_include / "ATen" / "ATen.h").read_text()
+    return "c++20" if "C++20 or later" in aten else "c++17"
+
+
 def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs: int):
     """(object, command) for every translation unit: each .cu for its kernel's capabilities, then the binding."""
     cuda = cuda_home()
@@ -156,7 +162,8 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
     ]
     cu_files = [(k, s) for k in config.kernels for s in k.src if s.suffix == ".cu"]
     nvcc = [
-        str(cuda / "bin" / "nvcc"), "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
+        str(cuda / "bin" / "nvcc"), *(["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []),
+        "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
         "-Werror", "all-warnings",
         # Host side too: a launcher defined with a signature the header does not declare is an error.
         "-Xcompiler", "-fPIC,-fno-gnu-unique,-Wall,-Wextra,-Wmissing-declarations,-Werror",
@@ -169,8 +176,9 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
     system = [torch_include, torch_include / "torch" / "csrc" / "api" / "include", sysconfig.get_paths()["include"],
               cuda / "include", *wheel_cuda_includes()]
     cxx = [
-        # Recent torch headers (2.14) require C++20; the torch-free .cu files stay at C++17.
-        os.environ.get("CXX", "g++"), "-std=c++20", "-O3", "-fPIC", "-fno-gnu-unique",
+        # The binding must use the C++ standard its torch was built with (C++17 headers compiled as C++20
+        # can disagree with libtorch on inline code); the torch-free .cu files stay at C++17.
+        os.environ.get("CXX", "g++"), f"-std={torch_cxx_standard(torch_include)}", "-O3", "-fPIC", "-fno-gnu-unique",
         "-Wall", "-Wextra", "-Werror", "-Wmissing-declarations",
         # Only the binding names the namespace, so a new revision does not recompile the kernels.
         f"-DTORCH_EXTENSION_NAME={ops_name}", "-DPy_LIMITED_API=0x03090000", *defines,
@@ -184,6 +192,14 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
         for src, base in units
         for obj in [obj_dir / (src.relative_to(ROOT).as_posix().replace("/", "_") + ".o")]
     ]
+
+
+def check_shared_libstdcxx(so: pathlib.Path) -> None:
+    """Fail the build if the extension carries its own libstdc++ instead of linking the shared one."""
+    dynamic = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    if "libstdc++.so" not in dynamic:
+        sys.exit(f"{so} does not link libstdc++.so dynamically (was it linked with -static-libstdc++?); "
+                 "its iostreams would crash inside torch. Set CXX to a plain g++.")
 
 
 def up_to_date(obj: pathlib.Path, cmd: list[str], inputs: list[pathlib.Path]) -> bool:
@@ -236,10 +252,16 @@ def build(config: Config) -> pathlib.Path:
     link_dirs = [TORCH_DIR / "lib", cuda_home() / "lib64"]
     # The same libraries torch.utils.cpp_extension links; no rpath: importing torch loads them first.
     libs = ["c10", "torch", "torch_cpu", "torch_cuda", "c10_cuda", "cudart"]
+    # libstdc++ must be the process's shared one: a copy linked statically into the extension (some
+    # toolchain wrappers add -static-libstdc++) has its own uninitialised iostream facets, and the first
+    # error message formatted in the binding segfaults. The explicit -lstdc++ resolves every C++ runtime
+    # symbol against libstdc++.so before any static archive is considered; check_shared_libstdcxx verifies.
     failure = run([os.environ.get("CXX", "g++"), "-shared", *(str(o) for o, _ in commands), "-o", str(so),
-                   *(f"-L{d}" for d in link_dirs), *(f"-l{lib}" for lib in libs)])
+                   *(f"-L{d}" for d in link_dirs), *(f"-l{lib}" for lib in libs),
+                   "-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"])
     if failure:
         sys.exit(failure)
+    check_shared_libstdcxx(so)
 
     variant_dir = BUILD / variant
     package = variant_dir / config.python_name

@@ -8,6 +8,7 @@ attention-int8/attention_int8.h declares every launcher, both sides include it, 
 """
 
 import json
+import pathlib
 import re
 import shutil
 import subprocess
@@ -108,3 +109,13 @@ def test_build_flags_reject_a_launcher_the_header_does_not_declare(tmp_path, cod
     else:
         assert result.returncode == 0, output
         assert not [s for s in symbols(obj, "--defined-only").get("T", set()) if "launch_attention_forward" in s]
+
+
+def test_libstdcxx_is_shared(ai8):
+    """A libstdc++ linked statically into the extension (toolchain wrappers that add -static-libstdc++)
+    keeps uninitialised iostream facets: the first error message the binding formats segfaults."""
+    so = next(pathlib.Path(ai8.__file__).parent.glob("_attention_int8_*.abi3.so"))
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in needed
+    symbols = subprocess.run(["nm", "-C", "--defined-only", str(so)], capture_output=True, text=True, check=True).stdout
+    assert "std::ostream::_M_insert" not in symbols
