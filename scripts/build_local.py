@@ -8,8 +8,8 @@ assembles
 which `kernels.get_local_kernel(Path("build"))` and `torch.ops.load_library` both load.
 
 Environment: CUDA_CAPABILITIES="9.0 12.0" builds a subset (quick device builds), MAX_JOBS caps the
-parallel compiles, CUDA_HOME (default /usr/local/cuda) picks the toolkit, CXX the host
-compiler. `--import-check` only imports the built package in a fresh interpreter.
+parallel compiles, CUDA_HOME (default /usr/local/cuda) picks the toolkit, HOST_CXX the host
+compiler (default g++: see host_cxx). `--import-check` only imports the built package in a fresh interpreter.
 """
 
 import argparse
@@ -162,8 +162,7 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
     ]
     cu_files = [(k, s) for k in config.kernels for s in k.src if s.suffix == ".cu"]
     nvcc = [
-        str(cuda / "bin" / "nvcc"), *(["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []),
-        "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
+        str(cuda / "bin" / "nvcc"), "-std=c++17", "-O3", "-lineinfo", "--expt-relaxed-constexpr",
         "-Werror", "all-warnings",
         # Host side too: a launcher defined with a signature the header does not declare is an error.
         "-Xcompiler", "-fPIC,-fno-gnu-unique,-Wall,-Wextra,-Wmissing-declarations,-Werror",
@@ -178,7 +177,7 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
     cxx = [
         # The binding must use the C++ standard its torch was built with (C++17 headers compiled as C++20
         # can disagree with libtorch on inline code); the torch-free .cu files stay at C++17.
-        os.environ.get("CXX", "g++"), f"-std={torch_cxx_standard(torch_include)}", "-O3", "-fPIC", "-fno-gnu-unique",
+        host_cxx(), f"-std={torch_cxx_standard(torch_include)}", "-O3", "-fPIC", "-fno-gnu-unique",
         "-Wall", "-Wextra", "-Werror", "-Wmissing-declarations",
         # Only the binding names the namespace, so a new revision does not recompile the kernels.
         f"-DTORCH_EXTENSION_NAME={ops_name}", "-DPy_LIMITED_API=0x03090000", *defines,
@@ -194,12 +193,21 @@ def compile_commands(config: Config, ops_name: str, obj_dir: pathlib.Path, jobs:
     ]
 
 
+def host_cxx() -> str:
+    """The C++ compiler for the binding and the link: HOST_CXX, else plain g++ from PATH.
+
+    Not $CXX: images set it to wrappers that add -static-libstdc++ (the H200 image does), and an
+    extension with its own libstdc++ crashes inside torch (see check_shared_libstdcxx).
+    """
+    return os.environ.get("HOST_CXX") or "g++"
+
+
 def check_shared_libstdcxx(so: pathlib.Path) -> None:
     """Fail the build if the extension carries its own libstdc++ instead of linking the shared one."""
     dynamic = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
     if "libstdc++.so" not in dynamic:
         sys.exit(f"{so} does not link libstdc++.so dynamically (was it linked with -static-libstdc++?); "
-                 "its iostreams would crash inside torch. Set CXX to a plain g++.")
+                 "its iostreams would crash inside torch. Set HOST_CXX to a plain g++.")
 
 
 def up_to_date(obj: pathlib.Path, cmd: list[str], inputs: list[pathlib.Path]) -> bool:
@@ -256,7 +264,7 @@ def build(config: Config) -> pathlib.Path:
     # toolchain wrappers add -static-libstdc++) has its own uninitialised iostream facets, and the first
     # error message formatted in the binding segfaults. The explicit -lstdc++ resolves every C++ runtime
     # symbol against libstdc++.so before any static archive is considered; check_shared_libstdcxx verifies.
-    failure = run([os.environ.get("CXX", "g++"), "-shared", *(str(o) for o, _ in commands), "-o", str(so),
+    failure = run([host_cxx(), "-shared", *(str(o) for o, _ in commands), "-o", str(so),
                    *(f"-L{d}" for d in link_dirs), *(f"-l{lib}" for lib in libs),
                    "-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"])
     if failure:
