@@ -178,7 +178,8 @@ def test_offsets_beyond_int32_keys(ai8, monkeypatch):
     one key, so its output is (nearly) that key's V row: reading the wrong rows cannot pass."""
     seqlen_kv = (1 << 24) + 100
     k, v = (torch.randn(1, 1, seqlen_kv, 128, dtype=torch.float16, device="cuda") for _ in range(2))
-    targets = torch.cat((torch.linspace(0, seqlen_kv - 1, 32, device="cuda").long(),
+    # Integer steps: a float32 linspace rounds 2^24 + 99 up, past the last key.
+    targets = torch.cat((torch.arange(32, device="cuda") * ((seqlen_kv - 1) // 31),
                          torch.arange(seqlen_kv - 32, seqlen_kv, device="cuda")))
     q = k[:, :, targets] * 4
     exact = ai8.reference.attention_float64(q, k, v)
