@@ -299,12 +299,7 @@ cudaError_t launch_attention_forward(const AttentionParams& p, cudaStream_t stre
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       using Traits = AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>;
-      const auto kernel = attention_fwd_kernel<Traits>;
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-      if (err != cudaSuccess) return err;
-      const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-      kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-      return cudaGetLastError();
+      return launch_attention_kernel<Traits>(attention_fwd_kernel<Traits>, p, stream);
     });
   });
 }

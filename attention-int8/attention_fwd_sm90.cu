@@ -244,12 +244,7 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
   if (p.head_dim != 128) return cudaErrorInvalidValue;
   return dispatch_elem(p.dtype, [&](auto elem) {
     using Traits = Sm90AttentionKernelTraits<decltype(elem)>;
-    const auto kernel = attention_fwd_sm90_kernel<Traits>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
+    return launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, p, stream);
   });
 }
 

@@ -30,4 +30,15 @@ cudaError_t dispatch_elem(ElemType dtype, F&& f) {
   }
 }
 
+// Launches an attention kernel over (query blocks, heads, batch) with the dynamic shared memory its
+// traits ask for (above 48 KB only after cudaFuncSetAttribute raises the kernel's limit).
+template <typename Traits, typename Kernel>
+cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace attention_int8
