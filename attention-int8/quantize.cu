@@ -33,25 +33,11 @@ struct QuantRowShape {
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// Reductions over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
-template <int kLanes>
-__device__ __forceinline__ float group_max(float x) {
+// Reduction over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
+template <int kLanes, typename T, typename Op>
+__device__ __forceinline__ T group_reduce(T x, Op op) {
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
-  return x;
-}
-
-template <int kLanes>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
-  return x;
-}
-
-template <int kLanes>
-__device__ __forceinline__ int group_min(int x) {
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) x = min(x, __shfl_xor_sync(kFullMask, x, offset));
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(kFullMask, x, offset));
   return x;
 }
 
@@ -98,7 +84,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
 #pragma unroll
       for (int e = 0; e < kChunkElems; ++e) dot += v[e] * w[e];
     }
-    dot = group_sum<Shape::kLanes>(dot);
+    dot = group_reduce<Shape::kLanes>(dot, [](float a, float b) { return a + b; });
     if (active && chunk == 0) p.row_dot[row] = dot;
   }
   float amax = 0.f;
@@ -108,8 +94,8 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
     amax = fmaxf(amax, fabsf(v[e]));
     finite &= isfinite(v[e]) ? 1 : 0;
   }
-  amax = group_max<Shape::kLanes>(amax);
-  finite = group_min<Shape::kLanes>(finite);
+  amax = group_reduce<Shape::kLanes>(amax, [](float a, float b) { return fmaxf(a, b); });
+  finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
   if (!active) return;
 
   // IEEE fp32 division and round-half-even: the PyTorch reference reproduces these bit for bit.

@@ -48,7 +48,8 @@ cudaError_t launch_transpose_v(const TransposeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads == 0 || p.seqlen_pad == 0) return cudaSuccess;
   if (p.seqlen_pad % kTile != 0 || p.head_dim % kTile != 0 || p.seqlen_pad / kTile > 0x7fffffff)
     return cudaErrorInvalidValue;
-  const dim3 grid(p.seqlen_pad / kTile, p.head_dim / kTile, static_cast<unsigned>(std::min<int64_t>(int64_t(p.batch) * p.heads, 65535)));
+  const int64_t heads = int64_t(p.batch) * p.heads;  // gridDim.z is capped; the kernel strides over the rest
+  const dim3 grid(p.seqlen_pad / kTile, p.head_dim / kTile, static_cast<unsigned>(std::min<int64_t>(heads, 65535)));
   transpose_v_kernel<<<grid, dim3(32, kTileRows), 0, stream>>>(p);
   return cudaGetLastError();
 }
