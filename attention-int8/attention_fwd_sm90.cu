@@ -3,16 +3,22 @@
 //   S = Q_q K_q^T : m64n128k32 s8 x s8 -> s32, Q and K read from shared memory by descriptor;
 //   O += P V      : m64n128k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
 //                   is the A-register layout), V^T read from shared memory by descriptor.
-// Each of the two warpgroups owns 64 query rows; K/V^T tiles of 128 keys stream through a three-stage
-// cp.async pipeline shared by both. Within a warpgroup the softmax of tile j overlaps the P.V wgmma of
-// tile j - 1 (see the main loop); across warpgroups the hardware interleaves the two streams.
+// Warp specialization (kernel_traits.cuh): a producer thread streams K/V^T tiles of 128 keys through
+// kStages shared-memory stages with bulk copies on transaction barriers; two consumer warpgroups own
+// 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
+//  - inside a warpgroup, the softmax of tile j runs while the P.V wgmma of tile j - 1 computes;
+//  - across warpgroups ("ping-pong"), a pair of named barriers makes the two take turns issuing their
+//    wgmmas, so one warpgroup's softmax runs under the other's matrix products instead of both
+//    doing softmax at the same time.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_int8.h"
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
 #include "ptx.cuh"
+#include "sm90_pipeline.cuh"
 #include "wgmma.cuh"
 
 namespace attention_int8 {
@@ -22,40 +28,47 @@ template <typename Traits>
 struct Sm90Smem {
   char* q;
   char* stage_base;
+  uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v_t(int stage) const { return k(stage) + Traits::kSmemKBytes; }
   __device__ char* k_scale(int stage) const { return v_t(stage) + Traits::kSmemVtBytes; }
+  __device__ uint64_t* k_full(int stage) const { return barriers + stage; }
+  __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
+  __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
+  __device__ uint64_t* v_empty(int stage) const { return barriers + 3 * Traits::kStages + stage; }
+  __device__ uint64_t* q_full() const { return barriers + 4 * Traits::kStages; }
 };
 
-// cp.async of a [rows x 128 B] global tile (row pitch `pitch` bytes) into the swizzled smem layout.
-template <int kRows, int kThreads>
-__device__ __forceinline__ void load_swizzled_rows_async(char* smem, const char* gmem, int64_t pitch, int tid) {
-  constexpr int kChunks = kRows * 8;
-  static_assert(kChunks % kThreads == 0, "tile loads must split evenly");
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int chunk = tid + i * kThreads;
-    const int row = chunk / 8, col = chunk % 8;
-    ptx::cp_async_16(smem + wgmma::swizzled_offset(row, col), gmem + row * pitch + col * 16, true);
-  }
-}
+// Named barriers 1 and 2: consumer warpgroup w waits on 1 + w for its turn to issue wgmmas.
+constexpr int kTurnBarrier = 1;
 
+// Tile j of the key loop lives in stage j % kStages; its barriers' phase flips on every pass over the stages.
 template <typename Traits>
-__device__ __forceinline__ void load_kv_tile_async(const Sm90Smem<Traits>& smem, int stage, int n_block,
-                                                   const int8_t* k_head, const float* k_scale_head,
-                                                   const char* v_t_head, int64_t v_t_pitch, int tid) {
-  using Elem = typename Traits::Elem;
-  constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, T = Traits::kThreads;
-  const int n0 = n_block * BN;
-  load_swizzled_rows_async<BN, T>(smem.k(stage), reinterpret_cast<const char*>(k_head + int64_t(n0) * D), D, tid);
-  // V^T: D rows of BN keys, stored as BN / 64 column chunks of [D rows x 128 B].
-#pragma unroll
-  for (int c = 0; c < BN / Traits::kKeysPerSwizzleRow; ++c)
-    load_swizzled_rows_async<D, T>(smem.v_t(stage) + c * Traits::kSmemVtChunkBytes,
-                                   v_t_head + (int64_t(n0) + c * Traits::kKeysPerSwizzleRow) * sizeof(Elem),
-                                   v_t_pitch, tid);
-  if (tid < BN * 4 / 16)
-    ptx::cp_async_16(smem.k_scale(stage) + tid * 16, reinterpret_cast<const char*>(k_scale_head + n0) + tid * 16, true);
+__device__ __forceinline__ int stage_of(int n_block) { return n_block % Traits::kStages; }
+template <typename Traits>
+__device__ __forceinline__ uint32_t phase_of(int n_block) { return (n_block / Traits::kStages) & 1; }
+
+// The producer: one thread issues every copy of the CTA (Q once, then K + scales and V^T per tile).
+template <typename Traits>
+__device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* q_tile, const int8_t* k_head,
+                                              const float* k_scale_head, const char* v_t_head, int n_blocks) {
+  constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
+  sm90::mbarrier_arrive_expect_tx(smem.q_full(), Traits::kSmemQBytes);
+  sm90::bulk_copy_g2s(smem.q, q_tile, Traits::kSmemQBytes, smem.q_full());
+  for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    const int stage = stage_of<Traits>(n_block);
+    const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
+    const int64_t n0 = int64_t(n_block) * BN;
+    sm90::mbarrier_wait(smem.k_empty(stage), free_parity);
+    sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes + Traits::kSmemKScaleBytes);
+    sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
+    sm90::bulk_copy_g2s(smem.k_scale(stage), k_scale_head + n0, Traits::kSmemKScaleBytes, smem.k_full(stage));
+    // V^T tiles of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
+    sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
+    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVtBytes);
+    sm90::bulk_copy_g2s(smem.v_t(stage), v_t_head + n0 * D * int64_t(sizeof(typename Traits::Elem)),
+                        Traits::kSmemVtBytes, smem.v_full(stage));
+  }
 }
 
 template <typename Traits>
@@ -63,47 +76,68 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN, T = Traits::kThreads;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kRegs = Traits::kAccRegs;
+  constexpr int kConsumerThreads = Traits::kConsumers * 128;
 
   extern __shared__ char smem_raw[];
-  // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries.
-  char* smem_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const Sm90Smem<Traits> smem{smem_base, smem_base + Traits::kSmemQBytes};
+  // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
+  // rounding an integer address) keeps the pointers visibly in shared memory: LDS, not generic loads.
+  char* smem_base = smem_raw + (1024 - sm90::smem_addr(smem_raw) % 1024) % 1024;
+  char* stage_base = smem_base + Traits::kSmemQBytes;
+  const Sm90Smem<Traits> smem{smem_base, stage_base,
+                              reinterpret_cast<uint64_t*>(stage_base + Traits::kStages * Traits::kSmemStageBytes)};
 
-  const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid % 32;
-  const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
+  const int tid = threadIdx.x, lane = tid % 32;
+  // Broadcast from lane 0 so the compiler sees a warp-uniform value: wgmma under a branch it thinks
+  // divergent gets serialized (ptxas C7520).
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: better tail balance
   const int head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int m0 = m_block * BM;
-
   const int64_t bh_q = int64_t(batch) * p.heads_q + head;
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
-  const int8_t* q_tile = p.q + (bh_q * p.seqlen_q_pad + m0) * D;
-  const int8_t* k_head = p.k + bh_kv * p.seqlen_kv_pad * D;
-  const float* k_scale_head = p.k_scale + bh_kv * p.seqlen_kv_pad;
-  const int64_t v_t_pitch = int64_t(p.seqlen_kv_pad) * sizeof(Elem);
-  const char* v_t_head = static_cast<const char*>(p.v_t) + bh_kv * D * v_t_pitch;
 
   const int causal_offset = p.seqlen_kv - p.seqlen_q;  // query i sees key j iff j <= i + causal_offset
   int n_end = p.seqlen_kv;
   if (p.causal) n_end = max(0, min(n_end, min(m0 + BM, p.seqlen_q) + causal_offset));
   const int n_blocks = (n_end + BN - 1) / BN;
 
-  load_swizzled_rows_async<BM, T>(smem.q, reinterpret_cast<const char*>(q_tile), D, tid);
-  if (n_blocks > 0) load_kv_tile_async<Traits>(smem, 0, 0, k_head, k_scale_head, v_t_head, v_t_pitch, tid);
-  ptx::cp_async_commit();
+  if (tid == 0) {
+    for (int s = 0; s < Traits::kStages; ++s) {
+      sm90::mbarrier_init(smem.k_full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
+      sm90::mbarrier_init(smem.v_full(s), 1);
+      sm90::mbarrier_init(smem.k_empty(s), Traits::kConsumerWarps);  // one arrival per consumer warp
+      sm90::mbarrier_init(smem.v_empty(s), Traits::kConsumerWarps);
+    }
+    sm90::mbarrier_init(smem.q_full(), 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
 
+  if (warpgroup == 0) {
+    sm90::release_registers<Traits::kProducerRegs>();
+    if (tid == 0)
+      produce_tiles<Traits>(smem, p.q + (bh_q * p.seqlen_q_pad + m0) * D, p.k + bh_kv * p.seqlen_kv_pad * D,
+                            p.k_scale + bh_kv * p.seqlen_kv_pad,
+                            static_cast<const char*>(p.v_t) + bh_kv * D * p.seqlen_kv_pad * int64_t(sizeof(Elem)),
+                            n_blocks);
+    return;
+  }
+  sm90::claim_registers<Traits::kConsumerRegs>();
+
+  const int consumer = warpgroup - 1;
+  const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
   // This thread's two rows (accumulator rows group and group + 8 of its warp).
   int row_in_tile[2];
   float q_scale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    row_in_tile[r] = warpgroup * 64 + warp_in_group * 16 + group + 8 * r;
+    row_in_tile[r] = consumer * 64 + warp_in_group * 16 + group + 8 * r;
     q_scale[r] = p.q_scale[bh_q * p.seqlen_q_pad + m0 + row_in_tile[r]];
   }
-  const char* q_smem = smem.q + warpgroup * 64 * D;
+  const char* q_smem = smem.q + consumer * 64 * D;
 
   float o_acc[kRegs];
 #pragma unroll
@@ -115,8 +149,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   // untouched until that wgmma completes.
   uint32_t p_frag[Traits::kPVSteps][4];
 
-  // Issues O += P V^T-tile for the tile held in `stage` (asynchronous; one commit group).
-  auto issue_pv = [&](int stage) {
+  // Issues O += P V^T-tile for tile `n_block` (asynchronous; one commit group). Its V^T must have landed:
+  // the caller waits before the wgmma fence, since a spin loop between wgmmas makes ptxas serialize them.
+  auto wait_v = [&](int n_block) { sm90::mbarrier_wait(smem.v_full(stage_of<Traits>(n_block)), phase_of<Traits>(n_block)); };
+  auto issue_pv = [&](int n_block) {
+    const int stage = stage_of<Traits>(n_block);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
       const char* b = smem.v_t(stage) + (kk * 16 / Traits::kKeysPerSwizzleRow) * Traits::kSmemVtChunkBytes +
@@ -125,21 +162,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     }
     wgmma::commit_group();
   };
+  auto release = [&](uint64_t* empty) {
+    __syncwarp();
+    if (lane == 0) sm90::mbarrier_arrive(empty);
+  };
 
-  // Software pipeline, per iteration j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} go to the tensor cores
-  // back to back; the softmax of S_j then runs while P_{j-1} V_{j-1} is still computing. Tiles j - 1,
-  // j and j + 1 (in flight) occupy the three shared-memory stages.
-  for (int n_block = 0; n_block < n_blocks; ++n_block) {
-    const int stage = n_block % Traits::kStages;
-    ptx::cp_async_wait<0>();      // tile j has landed (this thread's copies) ...
-    wgmma::fence_async_shared();  // ... and is visible to the async proxy that wgmma reads through ...
-    __syncthreads();              // ... for every thread; and all of iteration j - 1 is done, so
-                                  // stage (j + 1) % 3, last read by P_{j-2} V_{j-2}, is free.
-    if (n_block + 1 < n_blocks)
-      load_kv_tile_async<Traits>(smem, (n_block + 1) % Traits::kStages, n_block + 1, k_head, k_scale_head, v_t_head,
-                                 v_t_pitch, tid);
-    ptx::cp_async_commit();
-
+  // One step of the key loop, for tile j. S_j = Q K_j^T and O += P_{j-1} V_{j-1} go to the tensor cores
+  // back to back; the softmax of S_j then runs while P_{j-1} V_{j-1} is still computing. Between the
+  // wgmma fence and the final wait the body must be branch-free: ptxas serializes the wgmmas
+  // otherwise. Hence compile-time flags for the first tile (no P.V yet) and for masked tiles.
+  auto step = [&](int n_block, auto is_first, auto is_masked) {
+    constexpr bool kFirst = decltype(is_first)::value, kMasked = decltype(is_masked)::value;
+    const int stage = stage_of<Traits>(n_block);
+    sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
+    if constexpr (!kFirst) wait_v(n_block - 1);
+    sm90::named_barrier_sync(kTurnBarrier + consumer, kConsumerThreads);
     int32_t s_int[kRegs];
     wgmma::fence_operands(s_int);
     wgmma::fence_operands(o_acc);
@@ -149,25 +186,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
       wgmma::mma_m64n128k32_s8(s_int, wgmma::make_desc(q_smem + ks * 32), wgmma::make_desc(smem.k(stage) + ks * 32),
                                ks);
     wgmma::commit_group();
-    if (n_block > 0) {
-      issue_pv((n_block - 1) % Traits::kStages);
-      wgmma::wait_group<1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
-    } else {
-      wgmma::wait_group<0>();
-    }
+    if constexpr (!kFirst) issue_pv(n_block - 1);
+    sm90::named_barrier_arrive(kTurnBarrier + (1 - consumer), kConsumerThreads);
+    wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
     // Dequantize with the scales of the exact row and column each logit came from; mask.
     const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
-    const int n0 = n_block * BN;
-    const bool need_mask = n0 + BN > p.seqlen_kv || (p.causal && n0 + BN - 1 > m0 + causal_offset);
     float s[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
       const int r = (i / 2) % 2, col = 8 * (i / 4) + 2 * tig + (i % 2);
       s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[r] * k_scale[col];
-      if (need_mask) {
-        const int key = n0 + col, row = m0 + row_in_tile[r];
+      if constexpr (kMasked) {
+        const int key = n_block * BN + col, row = m0 + row_in_tile[r];
         if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
       }
     }
@@ -199,19 +231,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::fence_operands(o_acc);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
+    release(smem.k_empty(stage));  // K and its scales are consumed
+    if constexpr (!kFirst) release(smem.v_empty(stage_of<Traits>(n_block - 1)));
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) o_acc[i] *= alpha[(i / 2) % 2];
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk)
 #pragma unroll
       for (int j = 0; j < 4; ++j) p_frag[kk][j] = ptx::pack2<Elem>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
-  }
-  if (n_blocks > 0) {  // the last tile's P V
+  };
+
+  // Tiles that need no mask come first: the key-length tail and the causal diagonal are at the end.
+  int n_unmasked = min(n_blocks, p.seqlen_kv / BN);
+  if (p.causal) n_unmasked = min(n_unmasked, max(0, (m0 + causal_offset + 1) / BN));
+  using True = std::true_type;
+  using False = std::false_type;
+
+  sm90::mbarrier_wait(smem.q_full(), 0);
+  if (n_blocks > 0) {
+    // Turn-taking: consumer 0 issues first. Every step waits for its own turn and then hands the turn
+    // to the other; consumer 1 opens consumer 0's first turn, consumer 0 takes one last turn at the end,
+    // so arrivals and waits match on both barriers.
+    if (consumer == 1) sm90::named_barrier_arrive(kTurnBarrier, kConsumerThreads);
+    if (n_unmasked > 0) {
+      step(0, True{}, False{});
+    } else {
+      step(0, True{}, True{});
+    }
+    for (int n_block = 1; n_block < n_unmasked; ++n_block) step(n_block, False{}, False{});
+    for (int n_block = max(1, n_unmasked); n_block < n_blocks; ++n_block) step(n_block, False{}, True{});
+
+    // The last tile's P V (its stage needs no release: the producer is done).
+    wait_v(n_blocks - 1);
     wgmma::fence_operands(o_acc);
     wgmma::fence();
-    issue_pv((n_blocks - 1) % Traits::kStages);
+    issue_pv(n_blocks - 1);
     wgmma::wait_group<0>();
     wgmma::fence_operands(o_acc);
+    if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kConsumerThreads);
   }
 
   // Epilogue: normalize, store O in the input dtype, and the natural-log LSE.

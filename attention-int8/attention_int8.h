@@ -53,6 +53,10 @@ struct QuantizeParams {
   int batch, heads, seqlen, seqlen_pad, head_dim;
   float out_scale;
   ElemType dtype;
+  // head_dim 128 only: store each row's eight 16-byte chunks in the order of the K-major 128-byte
+  // swizzle (chunk c of row n at position c ^ (n % 8)), the shared-memory image the sm90 kernel's
+  // wgmma reads, so it can load tiles with plain contiguous copies.
+  bool swizzle_128b;
 };
 
 // O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. Q/K come from the quantizer
@@ -65,7 +69,7 @@ struct AttentionParams {
   const float* k_scale; // [B, Hkv, seqlen_kv_pad]
   const void* v;
   RowMajorView v_view;
-  const void* v_t;      // [B, Hkv, D, seqlen_kv_pad] V transposed, zero-padded: the sm90 kernel's V; else nullptr
+  const void* v_t;      // V^T tiles from launch_transpose_v: the sm90 kernel's V; else nullptr
   void* o;
   RowMajorView o_view;
   float* lse;           // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
@@ -74,8 +78,10 @@ struct AttentionParams {
   ElemType dtype;
 };
 
-// V [B, H, N, D] (strided, 16-bit elements) -> V^T [B, H, D, n_pad] dense, zeros in keys
-// [N, n_pad): the K-major operand layout the sm90 kernel's P.V wgmma reads.
+// V [B, H, N, D] (strided, 16-bit elements) -> V^T in tiles of 64 keys, [B, H, n_pad / 64, D, 64],
+// zeros in keys [N, n_pad): the K-major operand of the sm90 kernel's P.V wgmma, each 128-byte row
+// (64 keys of one channel d) with its 16-byte chunks in 128-byte-swizzle order (chunk c at c ^ (d % 8)),
+// so the keys n0 .. n0 + 127 of a head are one contiguous 32 KiB shared-memory image at offset n0 * D.
 struct TransposeParams {
   const void* v;
   RowMajorView v_view;
@@ -86,6 +92,7 @@ struct TransposeParams {
 cudaError_t launch_quantize_per_token(const QuantizeParams& params, cudaStream_t stream);
 cudaError_t launch_transpose_v(const TransposeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.v_t is set (see sm90_kernel_supported), else the portable one.
+// The sm90 kernel needs Q and K quantized with swizzle_128b.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 

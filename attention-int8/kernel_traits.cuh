@@ -55,21 +55,28 @@ struct AttentionKernelTraits {
 
 };
 
-// Hopper kernel (wgmma, sm_90a): two consumer warpgroups of 64 query rows each; K/V tiles of 128 keys.
-// Operands live in shared memory in the K-major 128-byte-swizzled layout of wgmma.cuh, so a row of
-// Q/K (128 int8) or of V^T (64 keys of fp16/bf16) is exactly one 128-byte swizzle row.
-template <typename Elem_, int kWarpGroups_ = 2>
+// Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
+// Q, K and V^T into shared memory with bulk copies, and kConsumers MMA warpgroups of 64 query rows
+// each over K/V tiles of 128 keys. Operands live in shared memory in the K-major 128-byte-swizzled
+// layout of wgmma.cuh (a row of Q/K, 128 int8, or of V^T, 64 keys of fp16/bf16, is one swizzle row);
+// the pre-passes write that layout to global memory, so every load is one contiguous copy.
+template <typename Elem_, int kConsumers_ = 2, int kStages_ = 3>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = 128;
-  static constexpr int kWarpGroups = kWarpGroups_;
-  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kBlockM = 64 * kConsumers;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = 128;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
-  static constexpr int kThreads = kWarpGroups * 128;
-  static constexpr int kMinBlocksPerSm = 2 / kWarpGroups;  // 255 registers a thread: 256 threads fill an SM
-  static constexpr int kStages = 3;  // tiles j - 1 (P.V), j (Q.K^T) and j + 1 (loading)
+  static constexpr int kThreads = (1 + kConsumers) * 128;
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  static constexpr int kMinBlocksPerSm = 1;
+  // setmaxnreg budget: 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file overcommitted");
+  static constexpr int kStages = kStages_;
 
   static constexpr int kQKSteps = kHeadDim / 32;      // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;       // k16 wgmma steps for O += P V
@@ -82,7 +89,11 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kSmemVtBytes = kSmemVtChunkBytes * (kBlockN / kKeysPerSwizzleRow);
   static constexpr int kSmemKScaleBytes = kBlockN * 4;
   static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVtBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
-  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemQBytes + kStages * kSmemStageBytes;
+  // Barriers: full/empty for K (with its scales) and for V^T per stage, and one for Q.
+  static constexpr int kBarriers = 4 * kStages + 1;
+  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemQBytes + kStages * kSmemStageBytes +
+                                    kBarriers * 8;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");
 };
 
 }  // namespace attention_int8

@@ -103,7 +103,9 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
   alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) q8[e] = static_cast<int8_t>(max(-127, min(127, __float2int_rn(v[e] * inv_scale))));
-  *reinterpret_cast<uint2*>(p.x_q + row * kHeadDim + chunk * kChunkElems) = *reinterpret_cast<const uint2*>(q8);
+  // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
+  const int byte_in_row = p.swizzle_128b ? ((chunk / 2) ^ (n % 8)) * 16 + (chunk % 2) * 8 : chunk * kChunkElems;
+  *reinterpret_cast<uint2*>(p.x_q + row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
   if (chunk == 0) p.scale[row] = finite ? amax / 127.f * p.out_scale : NAN;
 }
@@ -113,6 +115,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_pad;
   if (rows == 0) return cudaSuccess;
+  if (p.swizzle_128b && p.head_dim != 128) return cudaErrorInvalidValue;  // a row must be one 128-byte swizzle row
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
     const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;

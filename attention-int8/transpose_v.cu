@@ -1,8 +1,9 @@
-// V [B, H, N, D] (any row/head/batch strides) -> V^T [B, H, D, n_pad], keys [N, n_pad) zero-filled.
-// The sm90 kernel's P.V wgmma reads its B operand K-major (keys contiguous) from shared memory, so V
-// is transposed once here, through a shared-memory tile so that both the reads (along D) and the
-// writes (along N) are coalesced. Zero padding matters: P is 0 there, but 0 * NaN garbage would not be.
-// The copy moves 16-bit words, so one kernel serves fp16 and bf16 (all-zero bits are +0 in both).
+// V [B, H, N, D] (any row/head/batch strides) -> V^T tiles [B, H, n_pad / 64, D, 64] in the sm90
+// kernel's shared-memory image (attention_int8.h), keys [N, n_pad) zero-filled. The P.V wgmma reads
+// its B operand K-major (keys contiguous), so V is transposed once here, through a shared-memory tile
+// so that both the reads (along D) and the writes (128-byte rows of keys) are coalesced. Zero padding
+// matters: P is 0 there, but 0 * NaN garbage would not be. The copy moves 16-bit words, so one kernel
+// serves fp16 and bf16 (all-zero bits are +0 in both).
 #include <algorithm>
 #include <cstdint>
 
@@ -12,13 +13,18 @@ namespace attention_int8 {
 namespace {
 
 constexpr int kTile = 64;      // 64 x 64 elements per block ...
+static_assert(kTile * sizeof(uint16_t) == 128, "a V^T tile row of 64 keys is one 128-byte swizzle row");
 constexpr int kTileRows = 8;   // ... moved by 32 x 8 threads, 16 elements each: enough bytes in flight
+
+// Position of key c (0..63) in row d of a V^T tile: 16-byte chunk c / 8 moves to (c / 8) ^ (d % 8).
+__device__ __forceinline__ int swizzled_key(int d, int c) { return (((c / 8) ^ (d % 8)) * 8) + c % 8; }
 
 __device__ __forceinline__ void transpose_tile(const TransposeParams& p, int64_t bh, int n0, int d0) {
   __shared__ uint16_t tile[kTile][kTile + 2];  // +2 (one 4-byte bank): column reads hit distinct banks
   const int64_t b = bh / p.heads, h = bh % p.heads;
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_view.batch_stride + h * p.v_view.head_stride;
-  uint16_t* v_t = static_cast<uint16_t*>(p.v_t) + bh * p.head_dim * int64_t(p.seqlen_pad);
+  // This block's 64 keys are one V^T tile: D rows of 64 keys.
+  uint16_t* v_t = static_cast<uint16_t*>(p.v_t) + (bh * p.seqlen_pad + n0) * p.head_dim;
   __syncthreads();  // the previous (batch, head) of this block is done reading the tile
 #pragma unroll
   for (int i = threadIdx.y; i < kTile; i += kTileRows) {
@@ -31,7 +37,7 @@ __device__ __forceinline__ void transpose_tile(const TransposeParams& p, int64_t
 #pragma unroll
   for (int i = threadIdx.y; i < kTile; i += kTileRows)
 #pragma unroll
-    for (int c = threadIdx.x; c < kTile; c += 32) v_t[int64_t(d0 + i) * p.seqlen_pad + n0 + c] = tile[c][i];
+    for (int c = threadIdx.x; c < kTile; c += 32) v_t[(d0 + i) * kTile + swizzled_key(d0 + i, c)] = tile[c][i];
 }
 
 __global__ void __launch_bounds__(32 * kTileRows) transpose_v_kernel(const TransposeParams p) {

@@ -120,7 +120,8 @@ struct QuantizedRows {
 };
 
 QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
-                       int64_t row_multiple, cudaStream_t stream, const std::optional<at::Tensor>& dot_vec = {}) {
+                       int64_t row_multiple, cudaStream_t stream, const std::optional<at::Tensor>& dot_vec = {},
+                       bool swizzle_128b = false) {
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -145,14 +146,15 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.head_dim = static_cast<int>(s.head_dim);
   params.out_scale = static_cast<float>(out_scale);
   params.dtype = elem_type_of(x);
+  params.swizzle_128b = swizzle_128b;
   check_cuda(ai8::launch_quantize_per_token(params, stream), "launching quantize_per_token");
   return out;
 }
 
-// V^T [B, H, D, seqlen_pad] for the sm90 kernel (see launch_transpose_v).
+// V^T tiles [B, H, seqlen_pad / 64, D, 64] for the sm90 kernel (see launch_transpose_v).
 at::Tensor transpose_v(const at::Tensor& v, Layout layout, int64_t seqlen_pad, cudaStream_t stream) {
   const Shape s = shape_of(v, layout);
-  at::Tensor v_t = at::empty({s.batch, s.heads, s.head_dim, seqlen_pad}, v.options());
+  at::Tensor v_t = at::empty({s.batch, s.heads, seqlen_pad / 64, s.head_dim, 64}, v.options());
   ai8::TransposeParams params{};
   params.v = v.data_ptr();
   params.v_view = view_of(v, layout);
@@ -204,10 +206,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
   // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back.
   const bool lse_shift = with_lse && k_mean.has_value();
-  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream,
-                                     lse_shift ? k_mean : std::nullopt);
-  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream);
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
+  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream,
+                                     lse_shift ? k_mean : std::nullopt, /*swizzle_128b=*/sm90);
+  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream, std::nullopt, /*swizzle_128b=*/sm90);
   const at::Tensor v_rows = sm90 ? v : v_with_aligned_rows(v, layout);
   const at::Tensor v_t = sm90 ? transpose_v(v, layout, k_q.values.size(2), stream) : at::Tensor();
 
