@@ -39,6 +39,13 @@ struct Sm90Smem {
   __device__ uint64_t* q_full() const { return barriers + 4 * Traits::kStages; }
 };
 
+// Accumulator register i of an m64n128 fragment: which of the thread's two rows, and which column (wgmma.cuh).
+__device__ __forceinline__ constexpr int row_of(int i) { return (i / 2) % 2; }
+__device__ __forceinline__ int col_of(int i) { return 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i % 2); }
+
+// log2 units: the running max lags the true max by at most this, so P <= 2^8.
+constexpr float kRescaleSlack = 8.f;
+
 // Named barriers 1 and 2: consumer warpgroup w waits on 1 + w for its turn to issue wgmmas.
 constexpr int kTurnBarrier = 1;
 
@@ -191,38 +198,46 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
-    // Dequantize with the scales of the exact row and column each logit came from; mask.
+    // Dequantize with the scales of the exact row and column each logit came from: x = S_int * k_scale
+    // here, and the row's q_scale inside the exponent's FMA below (q_scale >= 0 or NaN).
     const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
     float s[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
-      const int r = (i / 2) % 2, col = 8 * (i / 4) + 2 * tig + (i % 2);
-      s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[r] * k_scale[col];
-      if constexpr (kMasked) {
-        const int key = n_block * BN + col, row = m0 + row_in_tile[r];
+      s[i] = ptx::small_int_to_float(s_int[i]) * k_scale[col_of(i)];
+      if constexpr (kMasked) {  // -inf marks a masked logit: a real x is finite or NaN
+        const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
         if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
       }
     }
 
-    // Online softmax update (base 2); P overwrites S.
+    // Online softmax (base 2) with a lazy maximum: the running max m only moves when a tile's max exceeds
+    // it by more than kRescaleSlack, so P = 2^(l - m) <= 2^kRescaleSlack stays well inside fp16/bf16 and
+    // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
+    // P overwrites x.
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int i = 2 * r; i < kRegs; i += 4) tile_max = fmaxf(tile_max, fmaxf(s[i], s[i + 1]));
+      for (int i = 2 * r; i < kRegs; i += 4)
+        tile_max = fmaxf(tile_max, fmaxf(s[i], s[i + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_max[r], tile_max);
+      const float logit_max = tile_max == -INFINITY ? -INFINITY : tile_max * q_scale[r];
+      const float m_new = logit_max > row_max[r] + kRescaleSlack ? logit_max : row_max[r];
       const float base = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = ptx::exp2_approx(row_max[r] - base);
       row_max[r] = m_new;
       row_sum[r] *= alpha[r];
 #pragma unroll
       for (int i = 2 * r; i < kRegs; i += 4) {
-        s[i] = ptx::exp2_approx(s[i] - base);
-        s[i + 1] = ptx::exp2_approx(s[i + 1] - base);
-        row_sum[r] += s[i] + s[i + 1];
+#pragma unroll
+        for (int e = i; e < i + 2; ++e) {
+          // fmaf(-inf, 0, .) would be NaN for an all-zero Q row (q_scale 0): masked logits skip the exponent.
+          s[e] = kMasked && s[e] == -INFINITY ? 0.f : ptx::exp2_approx(fmaf(s[e], q_scale[r], -base));
+          row_sum[r] += s[e];
+        }
       }
     }
 
@@ -233,8 +248,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
     release(smem.k_empty(stage));  // K and its scales are consumed
     if constexpr (!kFirst) release(smem.v_empty(stage_of<Traits>(n_block - 1)));
+    if constexpr (!kFirst) {  // on the first tile O is still 0
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) o_acc[i] *= alpha[(i / 2) % 2];
+        for (int i = 0; i < kRegs; ++i) o_acc[i] *= alpha[row_of(i)];
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk)
 #pragma unroll
