@@ -198,14 +198,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
-    // Dequantize with the scales of the exact row and column each logit came from: x = S_int * k_scale
-    // here, and the row's q_scale inside the exponent's FMA below (q_scale >= 0 or NaN).
+    // Dequantize with the scales of the exact row and column each logit came from. The logit is rounded
+    // before the max is taken (not fused into the exponent's FMA): with logits ~1e9 an unrounded product
+    // can exceed the rounded max by half an ulp, 2^5 in log2 units, and overflow P.
     const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
     float s[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
-      s[i] = ptx::small_int_to_float(s_int[i]) * k_scale[col_of(i)];
-      if constexpr (kMasked) {  // -inf marks a masked logit: a real x is finite or NaN
+      s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[row_of(i)] * k_scale[col_of(i)];
+      if constexpr (kMasked) {
         const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
         if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
       }
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     // Online softmax (base 2) with a lazy maximum: the running max m only moves when a tile's max exceeds
     // it by more than kRescaleSlack, so P = 2^(l - m) <= 2^kRescaleSlack stays well inside fp16/bf16 and
     // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
-    // P overwrites x.
+    // P overwrites S.
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -224,20 +225,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
         tile_max = fmaxf(tile_max, fmaxf(s[i], s[i + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float logit_max = tile_max == -INFINITY ? -INFINITY : tile_max * q_scale[r];
-      const float m_new = logit_max > row_max[r] + kRescaleSlack ? logit_max : row_max[r];
+      const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
       const float base = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = ptx::exp2_approx(row_max[r] - base);
       row_max[r] = m_new;
       row_sum[r] *= alpha[r];
 #pragma unroll
       for (int i = 2 * r; i < kRegs; i += 4) {
-#pragma unroll
-        for (int e = i; e < i + 2; ++e) {
-          // fmaf(-inf, 0, .) would be NaN for an all-zero Q row (q_scale 0): masked logits skip the exponent.
-          s[e] = kMasked && s[e] == -INFINITY ? 0.f : ptx::exp2_approx(fmaf(s[e], q_scale[r], -base));
-          row_sum[r] += s[e];
-        }
+        s[i] = ptx::exp2_approx(s[i] - base);
+        s[i + 1] = ptx::exp2_approx(s[i + 1] - base);
+        row_sum[r] += s[i] + s[i + 1];
       }
     }
 
