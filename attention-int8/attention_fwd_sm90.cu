@@ -43,6 +43,24 @@ struct Sm90Smem {
 __device__ __forceinline__ constexpr int row_of(int i) { return (i / 2) % 2; }
 __device__ __forceinline__ int col_of(int i) { return 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i % 2); }
 
+// v[c] = op(v[c], v[c + kWidth]) for c < kWidth, then the same on the first half, down to v[0].
+template <int kWidth, typename Op>
+__device__ __forceinline__ void fold_halves(float* v, Op op) {
+#pragma unroll
+  for (int c = 0; c < kWidth; ++c) v[c] = op(v[c], v[c + kWidth]);
+  if constexpr (kWidth > 1) fold_halves<kWidth / 2>(v, op);
+}
+
+// Reduces the 32 accumulator registers of row r (2r + 4c and 2r + 4c + 1) of an m64n128 fragment.
+template <int r, typename Op>
+__device__ __forceinline__ float reduce_row(const float (&s)[64], Op op) {
+  float v[16];
+#pragma unroll
+  for (int c = 0; c < 16; ++c) v[c] = op(s[2 * r + 4 * c], s[2 * r + 4 * c + 1]);
+  fold_halves<8>(v, op);
+  return v[0];
+}
+
 // log2 units: the running max lags the true max by at most this, so P <= 2^8.
 constexpr float kRescaleSlack = 8.f;
 
@@ -216,29 +234,32 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     // it by more than kRescaleSlack, so P = 2^(l - m) <= 2^kRescaleSlack stays well inside fp16/bf16 and
     // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
     // P overwrites S.
-    float alpha[2];
+    // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
+    // side: while the other warpgroup's wgmmas run, this warp is often its scheduler's only eligible one.
+    float tile_max[2], alpha[2], base[2];
+    auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
+    tile_max[0] = reduce_row<0>(s, fmax_op);
+    tile_max[1] = reduce_row<1>(s, fmax_op);
+#pragma unroll
+    for (int lanes = 1; lanes <= 2; lanes *= 2)  // the 4 lanes of a quad share the rows
+#pragma unroll
+      for (int r = 0; r < 2; ++r) tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], lanes));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int i = 2 * r; i < kRegs; i += 4)
-        tile_max = fmaxf(tile_max, fmaxf(s[i], s[i + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ptx::exp2_approx(row_max[r] - base);
+      const float m_new = tile_max[r] > row_max[r] + kRescaleSlack ? tile_max[r] : row_max[r];
+      base[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = ptx::exp2_approx(row_max[r] - base[r]);
       row_max[r] = m_new;
-      row_sum[r] *= alpha[r];
-#pragma unroll
-      for (int i = 2 * r; i < kRegs; i += 4) {
-        s[i] = ptx::exp2_approx(s[i] - base);
-        s[i + 1] = ptx::exp2_approx(s[i + 1] - base);
-        row_sum[r] += s[i] + s[i + 1];
-      }
     }
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
+    auto add_op = [](float x, float y) { return x + y; };
+    row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
+    row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
+    // Pinning P first keeps the compiler from hoisting the wait above the softmax it should overlap.
+    wgmma::fence_operands(s);
     wgmma::wait_group<0>();
     wgmma::fence_operands(o_acc);
 #pragma unroll
