@@ -17,6 +17,7 @@ namespace {
 
 constexpr int kQuantWarps = 8;
 constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16-byte load
+constexpr int kRowIters = 4;    // row groups per warp
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
@@ -26,7 +27,7 @@ struct QuantRowShape {
   static constexpr int kChunks = kHeadDim / kChunkElems;
   static constexpr int kLanes = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
   static constexpr int kRowsPerWarp = 32 / kLanes;
-  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarp;
+  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarp * kRowIters;
   static_assert(kHeadDim % kChunkElems == 0 && kChunks <= 32, "unsupported head dim");
 };
 
@@ -41,51 +42,61 @@ __device__ __forceinline__ T group_reduce(T x, Op op) {
   return x;
 }
 
-template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(const QuantizeParams p) {
-  using Shape = QuantRowShape<kHeadDim>;
-  const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
-  const int64_t row = int64_t(blockIdx.x) * Shape::kRowsPerBlock + (threadIdx.x / 32) * Shape::kRowsPerWarp +
-                      lane / Shape::kLanes;  // over [B, H, seqlen_pad]
-  // Every lane stays to the end: the reductions below are warp-wide shuffles.
-  const bool row_exists = row < int64_t(p.batch) * p.heads * p.seqlen_pad;
-  const int n = row_exists ? static_cast<int>(row % p.seqlen_pad) : 0;
-  const int64_t bh = row_exists ? row / p.seqlen_pad : 0;
-  const bool active = row_exists && chunk < Shape::kChunks;
-  const bool has_data = active && n < p.seqlen;  // rows in [seqlen, seqlen_pad) are padding: zeros, scale 0
+// Where one lane's part of a row lives, and whether it holds data.
+struct RowChunk {
+  int64_t row;  // over [B, H, seqlen_pad]
+  int64_t bh;
+  int n;
+  bool active;    // a real row, and a lane inside it (D = 96 leaves lanes idle)
+  bool has_data;  // rows in [seqlen, seqlen_pad) are padding: zeros, scale 0
+};
 
+template <int kHeadDim>
+__device__ __forceinline__ RowChunk locate(const QuantizeParams& p, int64_t row, int chunk) {
+  const bool row_exists = row < int64_t(p.batch) * p.heads * p.seqlen_pad;
+  RowChunk r{row, row_exists ? row / p.seqlen_pad : 0, row_exists ? static_cast<int>(row % p.seqlen_pad) : 0,
+             row_exists && chunk < QuantRowShape<kHeadDim>::kChunks, false};
+  r.has_data = r.active && r.n < p.seqlen;
+  return r;
+}
+
+template <typename Elem>
+__device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
+  if (!r.has_data) return;
+  const int64_t b = r.bh / p.heads, h = r.bh % p.heads;
+  const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
+                  int64_t(r.n) * p.x_view.row_stride + chunk * kChunkElems;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
+  } else {  // a strided view whose rows are not 16-byte aligned
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) e8[e] = x[e];
+  }
+}
+
+// Quantizes the lane group's row from the loaded chunk. Every lane takes part (warp-wide shuffles).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const RowChunk& r, int chunk,
+                                               const Elem (&e8)[kChunkElems]) {
+  using Shape = QuantRowShape<kHeadDim>;
   float v[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) v[e] = 0.f;
-  if (has_data) {
-    const int64_t b = bh / p.heads, h = bh % p.heads;
-    const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
-                    int64_t(n) * p.x_view.row_stride + chunk * kChunkElems;
-    alignas(16) Elem e8[kChunkElems];
-    if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-      *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
-    } else {  // a strided view whose rows are not 16-byte aligned
+  for (int e = 0; e < kChunkElems; ++e) v[e] = r.has_data ? to_float(e8[e]) : 0.f;
+  if (r.has_data && p.mean != nullptr) {
+    const float* mean = p.mean + r.bh * kHeadDim + chunk * kChunkElems;
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) e8[e] = x[e];
-    }
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) v[e] = to_float(e8[e]);
-    if (p.mean != nullptr) {
-      const float* mean = p.mean + bh * kHeadDim + chunk * kChunkElems;
-#pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) v[e] -= mean[e];
-    }
+    for (int e = 0; e < kChunkElems; ++e) v[e] -= mean[e];
   }
   if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
     float dot = 0.f;
-    if (has_data) {
-      const float* w = p.dot_vec + (bh / p.heads * (p.heads / p.dot_head_group) + bh % p.heads / p.dot_head_group) *
+    if (r.has_data) {
+      const float* w = p.dot_vec + (r.bh / p.heads * (p.heads / p.dot_head_group) + r.bh % p.heads / p.dot_head_group) *
                                        kHeadDim + chunk * kChunkElems;
 #pragma unroll
       for (int e = 0; e < kChunkElems; ++e) dot += v[e] * w[e];
     }
     dot = group_reduce<Shape::kLanes>(dot, [](float a, float b) { return a + b; });
-    if (active && chunk == 0) p.row_dot[row] = dot;
+    if (r.active && chunk == 0) p.row_dot[r.row] = dot;
   }
   float amax = 0.f;
   int finite = 1;
@@ -96,7 +107,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
   }
   amax = group_reduce<Shape::kLanes>(amax, [](float a, float b) { return fmaxf(a, b); });
   finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
-  if (!active) return;
+  if (!r.active) return;
 
   // IEEE fp32 division and round-half-even: the PyTorch reference reproduces these bit for bit.
   const float inv_scale = amax > 0.f ? 127.f / amax : 0.f;
@@ -104,10 +115,29 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) q8[e] = static_cast<int8_t>(max(-127, min(127, __float2int_rn(v[e] * inv_scale))));
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
-  const int byte_in_row = p.swizzle_128b ? ((chunk / 2) ^ (n % 8)) * 16 + (chunk % 2) * 8 : chunk * kChunkElems;
-  *reinterpret_cast<uint2*>(p.x_q + row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
+  const int byte_in_row = p.swizzle_128b ? ((chunk / 2) ^ (r.n % 8)) * 16 + (chunk % 2) * 8 : chunk * kChunkElems;
+  *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
-  if (chunk == 0) p.scale[row] = finite ? amax / 127.f * p.out_scale : NAN;
+  if (chunk == 0) p.scale[r.row] = finite ? amax / 127.f * p.out_scale : NAN;
+}
+
+// Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
+// memory-bound kernel needs those bytes in flight.
+template <int kHeadDim, typename Elem>
+__global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(const QuantizeParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
+  const int64_t first_row = (int64_t(blockIdx.x) * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarp * kRowIters +
+                            lane / Shape::kLanes;
+  RowChunk rows[kRowIters];
+  alignas(16) Elem e8[kRowIters][kChunkElems];
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) {
+    rows[it] = locate<kHeadDim>(p, first_row + it * Shape::kRowsPerWarp, chunk);
+    load_chunk(p, rows[it], chunk, e8[it]);
+  }
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) quantize_chunk<kHeadDim>(p, rows[it], chunk, e8[it]);
 }
 
 }  // namespace
