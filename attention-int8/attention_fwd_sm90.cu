@@ -51,21 +51,24 @@ __device__ __forceinline__ void fold_halves(float* v, Op op) {
   if constexpr (kWidth > 1) fold_halves<kWidth / 2>(v, op);
 }
 
-// Reduces the 32 accumulator registers of row r (2r + 4c and 2r + 4c + 1) of an m64n128 fragment.
-template <int r, typename Op>
-__device__ __forceinline__ float reduce_row(const float (&s)[64], Op op) {
-  float v[16];
+// Reduces the accumulator registers of row r (2r + 4c and 2r + 4c + 1) of an m64nN fragment (N / 4 of them).
+template <int r, int kRegs, typename Op>
+__device__ __forceinline__ float reduce_row(const float (&s)[kRegs], Op op) {
+  constexpr int kPairs = kRegs / 4;
+  float v[kPairs];
 #pragma unroll
-  for (int c = 0; c < 16; ++c) v[c] = op(s[2 * r + 4 * c], s[2 * r + 4 * c + 1]);
-  fold_halves<8>(v, op);
+  for (int c = 0; c < kPairs; ++c) v[c] = op(s[2 * r + 4 * c], s[2 * r + 4 * c + 1]);
+  fold_halves<kPairs / 2>(v, op);
   return v[0];
 }
 
 // log2 units: the running max lags the true max by at most this, so P <= 2^8.
 constexpr float kRescaleSlack = 8.f;
 
-// Named barriers 1 and 2: consumer warpgroup w waits on 1 + w for its turn to issue wgmmas.
+// Named barriers 1..kConsumers: consumer warpgroup w waits on 1 + w for its turn to issue wgmmas; its
+// predecessor (w - 1, cyclically) arrives there. Each barrier phase counts both warpgroups' threads.
 constexpr int kTurnBarrier = 1;
+constexpr int kTurnThreads = 2 * 128;
 
 // Tile j of the key loop lives in stage j % kStages; its barriers' phase flips on every pass over the stages.
 template <typename Traits>
@@ -102,8 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int kRegs = Traits::kAccRegs;
-  constexpr int kConsumerThreads = Traits::kConsumers * 128;
+  constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
 
   extern __shared__ char smem_raw[];
   // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
 
-  const int consumer = warpgroup - 1;
+  const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
   // This thread's two rows (accumulator rows group and group + 8 of its warp).
   int row_in_tile[2];
@@ -164,9 +166,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   }
   const char* q_smem = smem.q + consumer * 64 * D;
 
-  float o_acc[kRegs];
+  float o_acc[kORegs];
 #pragma unroll
-  for (int i = 0; i < kRegs; ++i) o_acc[i] = 0.f;
+  for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad is summed at the end
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold
@@ -201,18 +203,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     const int stage = stage_of<Traits>(n_block);
     sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
     if constexpr (!kFirst) wait_v(n_block - 1);
-    sm90::named_barrier_sync(kTurnBarrier + consumer, kConsumerThreads);
-    int32_t s_int[kRegs];
+    sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
+    int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);
     wgmma::fence_operands(o_acc);
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_m64n128k32_s8(s_int, wgmma::make_desc(q_smem + ks * 32), wgmma::make_desc(smem.k(stage) + ks * 32),
-                               ks);
+      wgmma::mma_qk_s8<BN>(s_int, wgmma::make_desc(q_smem + ks * 32), wgmma::make_desc(smem.k(stage) + ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
-    sm90::named_barrier_arrive(kTurnBarrier + (1 - consumer), kConsumerThreads);
+    sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
@@ -220,9 +221,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     // before the max is taken (not fused into the exponent's FMA): with logits ~1e9 an unrounded product
     // can exceed the rounded max by half an ulp, 2^5 in log2 units, and overflow P.
     const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
-    float s[kRegs];
+    float s[kSRegs];
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) {
+    for (int i = 0; i < kSRegs; ++i) {
       s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[row_of(i)] * k_scale[col_of(i)];
       if constexpr (kMasked) {
         const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
       row_max[r] = m_new;
     }
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
+    for (int i = 0; i < kSRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
     auto add_op = [](float x, float y) { return x + y; };
     row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
     row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     if constexpr (!kFirst) {  // on the first tile O is still 0
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) o_acc[i] *= alpha[row_of(i)];
+        for (int i = 0; i < kORegs; ++i) o_acc[i] *= alpha[row_of(i)];
       }
     }
 #pragma unroll
@@ -286,10 +287,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 
   sm90::mbarrier_wait(smem.q_full(), 0);
   if (n_blocks > 0) {
-    // Turn-taking: consumer 0 issues first. Every step waits for its own turn and then hands the turn
-    // to the other; consumer 1 opens consumer 0's first turn, consumer 0 takes one last turn at the end,
-    // so arrivals and waits match on both barriers.
-    if (consumer == 1) sm90::named_barrier_arrive(kTurnBarrier, kConsumerThreads);
+    // Turn-taking, round robin from consumer 0: every step waits for its own turn and then hands the
+    // turn to the next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes
+    // one last turn at the end, so arrivals and waits match on every barrier.
+    if (consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
     if (n_unmasked > 0) {
       step(0, True{}, False{});
     } else {
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     issue_pv(n_blocks - 1);
     wgmma::wait_group<0>();
     wgmma::fence_operands(o_acc);
-    if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kConsumerThreads);
+    if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kTurnThreads);
   }
 
   // Epilogue: normalize, store O in the input dtype, and the natural-log LSE.
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     if (row >= p.seqlen_q) continue;
     Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
 #pragma unroll
-    for (int i = 2 * r; i < kRegs; i += 4) {
+    for (int i = 2 * r; i < kORegs; i += 4) {
       const int col = 8 * (i / 4) + 2 * tig;
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }

@@ -16,7 +16,7 @@ enum class ElemType { kFloat16, kBFloat16 };
 // Row padding of the quantized workspaces, which the binding allocates. Every kernel's query tile
 // equals kQueryPad and every key tile divides kKeyPad (kernel_traits.cuh static_asserts both), so
 // the kernels read whole tiles of Q and K without bounds checks.
-constexpr int kQueryPad = 128;
+constexpr int kQueryPad = 384;  // the sm90 kernel's 192-row and the portable kernel's 128-row query tiles
 constexpr int kKeyPad = 128;
 
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }

@@ -14,7 +14,8 @@ template <int kHeadDim_, typename Elem_, int kMTiles_ = 2, int kBlockN_ = (kHead
 struct AttentionKernelTraits {
   using Elem = Elem_;  // __half or __nv_bfloat16: V, P and O
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kQueryPad;
+  static constexpr int kBlockM = 128;
+  static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
   static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::small_int_to_float");
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
@@ -57,31 +58,38 @@ struct AttentionKernelTraits {
 
 // Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
 // Q, K and V^T into shared memory with bulk copies, and kConsumers MMA warpgroups of 64 query rows
-// each over K/V tiles of 128 keys. Operands live in shared memory in the K-major 128-byte-swizzled
+// each over K/V tiles of kBlockN keys. Operands live in shared memory in the K-major 128-byte-swizzled
 // layout of wgmma.cuh (a row of Q/K, 128 int8, or of V^T, 64 keys of fp16/bf16, is one swizzle row);
 // the pre-passes write that layout to global memory, so every load is one contiguous copy.
-template <typename Elem_, int kConsumers_ = 2, int kStages_ = 3>
+//
+// Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
+// warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
+// one warp per other consumer. Three consumers put three softmax warps on every scheduler; their
+// registers (160 a thread) then only fit 64-key S and P tiles.
+template <typename Elem_, int kConsumers_ = 3, int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = 128;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kBlockM = 64 * kConsumers;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;
-  // setmaxnreg budget: 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers.
+  // setmaxnreg budget (multiples of 8): the producer keeps 24, the consumers share the rest.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file overcommitted");
+  static constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / (kConsumers * 128) / 8 * 8;
+  static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static constexpr int kStages = kStages_;
 
   static constexpr int kQKSteps = kHeadDim / 32;      // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;       // k16 wgmma steps for O += P V
   static constexpr int kKeysPerSwizzleRow = 64;       // 128 B of 16-bit V^T
-  static constexpr int kAccRegs = 64;                 // m64n128 accumulator registers per thread
+  static_assert(kBlockN % kKeysPerSwizzleRow == 0, "V^T tiles are whole 64-key swizzle chunks");
+  static constexpr int kSAccRegs = kBlockN / 2;       // m64 x kBlockN accumulator registers per thread
+  static constexpr int kOAccRegs = kHeadDim / 2;      // m64 x D
 
   static constexpr int kSmemQBytes = kBlockM * kHeadDim;                  // int8
   static constexpr int kSmemKBytes = kBlockN * kHeadDim;                  // int8

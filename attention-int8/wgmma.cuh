@@ -85,6 +85,35 @@ __device__ __forceinline__ void mma_m64n128k32_s8(int32_t (&d)[64], uint64_t des
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// The same with n = 64 (a 64-key tile): 32 int32 accumulators.
+__device__ __forceinline__ void mma_m64n64k32_s8(int32_t (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p;\n"
+      "}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// S tile of kN keys: dispatches to the wgmma of that width.
+template <int kN>
+__device__ __forceinline__ void mma_qk_s8(int32_t (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert(kN == 64 || kN == 128, "S tiles are 64 or 128 keys");
+  if constexpr (kN == 64) {
+    mma_m64n64k32_s8(d, desc_a, desc_b, scale_d);
+  } else {
+    mma_m64n128k32_s8(d, desc_a, desc_b, scale_d);
+  }
+}
+
 // d += a * b: a = 64x16 fp16/bf16 in registers (the m16n8k16 A layout per warp), b = 16x128 (descriptor,
 // K-major), fp32 m64n128 accumulators.
 template <typename Elem>
