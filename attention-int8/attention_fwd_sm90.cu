@@ -164,7 +164,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     row_in_tile[r] = consumer * 64 + warp_in_group * 16 + group + 8 * r;
     q_scale[r] = p.q_scale[bh_q * p.seqlen_q_pad + m0 + row_in_tile[r]];
   }
-  const char* q_smem = smem.q + consumer * 64 * D;
+  // Operand descriptors of stage 0 (and this warpgroup's Q rows); steps and stages are offsets from them.
+  const uint64_t q_desc = wgmma::make_desc(smem.q + consumer * 64 * D);
+  const uint64_t k_desc = wgmma::make_desc(smem.k(0)), v_t_desc = wgmma::make_desc(smem.v_t(0));
 
   float o_acc[kORegs];
 #pragma unroll
@@ -183,9 +185,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     const int stage = stage_of<Traits>(n_block);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
-      const char* b = smem.v_t(stage) + (kk * 16 / Traits::kKeysPerSwizzleRow) * Traits::kSmemVtChunkBytes +
-                      (kk * 16 % Traits::kKeysPerSwizzleRow) * int(sizeof(Elem));
-      wgmma::mma_m64n128k16_f32<Elem>(o_acc, p_frag[kk], wgmma::make_desc(b));
+      const int offset = stage * Traits::kSmemStageBytes +
+                         (kk * 16 / Traits::kKeysPerSwizzleRow) * Traits::kSmemVtChunkBytes +
+                         (kk * 16 % Traits::kKeysPerSwizzleRow) * int(sizeof(Elem));
+      wgmma::mma_m64n128k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_desc, offset));
     }
     wgmma::commit_group();
   };
@@ -210,7 +213,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<BN>(s_int, wgmma::make_desc(q_smem + ks * 32), wgmma::make_desc(smem.k(stage) + ks * 32), ks);
+      wgmma::mma_qk_s8<BN>(s_int, wgmma::advance_desc(q_desc, ks * 32),
+                           wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes + ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
     sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);

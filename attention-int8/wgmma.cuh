@@ -35,6 +35,10 @@ __device__ __forceinline__ uint64_t make_desc(const void* smem) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(kCoreGroupBytes >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of smem + bytes (bytes a multiple of 16): the start address is the low field, and
+// shared-memory addresses (< 2^18) never carry out of it.
+__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, int bytes) { return desc + uint64_t(bytes >> 4); }
+
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
