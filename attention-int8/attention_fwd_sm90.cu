@@ -164,9 +164,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     row_in_tile[r] = consumer * 64 + warp_in_group * 16 + group + 8 * r;
     q_scale[r] = p.q_scale[bh_q * p.seqlen_q_pad + m0 + row_in_tile[r]];
   }
-  // Operand descriptors of stage 0 (and this warpgroup's Q rows); steps and stages are offsets from them.
-  const uint64_t q_desc = wgmma::make_desc(smem.q + consumer * 64 * D);
+  // Operand descriptors of stage 0; steps and stages are offsets from them.
   const uint64_t k_desc = wgmma::make_desc(smem.k(0)), v_t_desc = wgmma::make_desc(smem.v_t(0));
+
+  // This warpgroup's 64 Q rows stay in registers as wgmma A fragments (16 registers a thread): the
+  // tensor cores then read only K and V^T from shared memory, whose bandwidth three consumers stretch.
+  sm90::mbarrier_wait(smem.q_full(), 0);
+  uint32_t q_frag[Traits::kQKSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < Traits::kQKSteps; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = consumer * 64 + warp_in_group * 16 + group + 8 * (j % 2), byte = ks * 32 + 16 * (j / 2) + 4 * tig;
+      q_frag[ks][j] = *reinterpret_cast<const uint32_t*>(smem.q + wgmma::swizzled_offset(row, byte / 16) + byte % 16);
+    }
 
   float o_acc[kORegs];
 #pragma unroll
@@ -213,8 +224,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<BN>(s_int, wgmma::advance_desc(q_desc, ks * 32),
-                           wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes + ks * 32), ks);
+      wgmma::mma_qk_s8<BN>(s_int, q_frag[ks], wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes + ks * 32),
+                           ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
     sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
@@ -289,7 +300,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   using True = std::true_type;
   using False = std::false_type;
 
-  sm90::mbarrier_wait(smem.q_full(), 0);
   if (n_blocks > 0) {
     // Turn-taking, round robin from consumer 0: every step waits for its own turn and then hands the
     // turn to the next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes
