@@ -8,7 +8,8 @@
 #   make clean        remove build/ (`make distclean` also removes the .venv)
 #
 # Variables: PYTHON (default: python3 when it already has CUDA torch, pytest and numpy, as on a GPU
-# box without network; else .venv/bin/python, created on demand), CUDA_CAPABILITIES="9.0" builds a
+# box without network; else .venv/bin/python, created on demand), BENCH_ARGS (e.g. "--append-results
+# benchmarks/RESULTS.md"), CUDA_CAPABILITIES="9.0" builds a
 # subset of build.toml's capabilities, MAX_JOBS caps parallel compiles, CUDA_HOME, HOST_CXX (the binding's
 # compiler, default g++), NIX_ENV.
 
@@ -61,7 +62,7 @@ check-abi: build
 	$(PYTHON) scripts/check_abi.py
 
 bench: build
-	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build
