@@ -42,29 +42,28 @@ __device__ __forceinline__ T group_reduce(T x, Op op) {
   return x;
 }
 
-// Where one lane's part of a row lives, and whether it holds data.
+// Where one lane's part of a row lives, and whether it holds data. The grid is (row blocks, heads,
+// batch), so no index needs a 64-bit division.
 struct RowChunk {
   int64_t row;  // over [B, H, seqlen_pad]
-  int64_t bh;
-  int n;
-  bool active;    // a real row, and a lane inside it (D = 96 leaves lanes idle)
+  int b, h, n;
+  bool active;    // a row below seqlen_pad, and a lane inside it (D = 96 leaves lanes idle)
   bool has_data;  // rows in [seqlen, seqlen_pad) are padding: zeros, scale 0
 };
 
 template <int kHeadDim>
-__device__ __forceinline__ RowChunk locate(const QuantizeParams& p, int64_t row, int chunk) {
-  const bool row_exists = row < int64_t(p.batch) * p.heads * p.seqlen_pad;
-  RowChunk r{row, row_exists ? row / p.seqlen_pad : 0, row_exists ? static_cast<int>(row % p.seqlen_pad) : 0,
-             row_exists && chunk < QuantRowShape<kHeadDim>::kChunks, false};
-  r.has_data = r.active && r.n < p.seqlen;
+__device__ __forceinline__ RowChunk locate(const QuantizeParams& p, int n, int chunk) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  RowChunk r{(int64_t(b) * p.heads + h) * p.seqlen_pad + n, b, h, n,
+             n < p.seqlen_pad && chunk < QuantRowShape<kHeadDim>::kChunks, false};
+  r.has_data = r.active && n < p.seqlen;
   return r;
 }
 
 template <typename Elem>
 __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
   if (!r.has_data) return;
-  const int64_t b = r.bh / p.heads, h = r.bh % p.heads;
-  const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
+  const Elem* x = static_cast<const Elem*>(p.x) + r.b * p.x_view.batch_stride + r.h * p.x_view.head_stride +
                   int64_t(r.n) * p.x_view.row_stride + chunk * kChunkElems;
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
@@ -83,15 +82,15 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) v[e] = r.has_data ? to_float(e8[e]) : 0.f;
   if (r.has_data && p.mean != nullptr) {
-    const float* mean = p.mean + r.bh * kHeadDim + chunk * kChunkElems;
+    const float* mean = p.mean + (int64_t(r.b) * p.heads + r.h) * kHeadDim + chunk * kChunkElems;
 #pragma unroll
     for (int e = 0; e < kChunkElems; ++e) v[e] -= mean[e];
   }
   if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
     float dot = 0.f;
     if (r.has_data) {
-      const float* w = p.dot_vec + (r.bh / p.heads * (p.heads / p.dot_head_group) + r.bh % p.heads / p.dot_head_group) *
-                                       kHeadDim + chunk * kChunkElems;
+      const float* w = p.dot_vec + (int64_t(r.b) * (p.heads / p.dot_head_group) + r.h / p.dot_head_group) * kHeadDim +
+                       chunk * kChunkElems;
 #pragma unroll
       for (int e = 0; e < kChunkElems; ++e) dot += v[e] * w[e];
     }
@@ -127,32 +126,94 @@ template <int kHeadDim, typename Elem>
 __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
-  const int64_t first_row = (int64_t(blockIdx.x) * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarp * kRowIters +
-                            lane / Shape::kLanes;
+  const int first_n = (blockIdx.x * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarp * kRowIters + lane / Shape::kLanes;
   RowChunk rows[kRowIters];
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) {
-    rows[it] = locate<kHeadDim>(p, first_row + it * Shape::kRowsPerWarp, chunk);
+    rows[it] = locate<kHeadDim>(p, first_n + it * Shape::kRowsPerWarp, chunk);
     load_chunk(p, rows[it], chunk, e8[it]);
   }
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) quantize_chunk<kHeadDim>(p, rows[it], chunk, e8[it]);
 }
 
+// Partial channel sums over kTokenMeanRows tokens of one head. Lanes take 8 consecutive channels (one
+// 16-byte load) of a row, as in the quantizer; the row groups of the block then meet in shared memory.
+template <int kHeadDim, typename Elem>
+__global__ void __launch_bounds__(kQuantWarps * 32) token_sum_kernel(const TokenMeanParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  constexpr int kRowGroups = kQuantWarps * Shape::kRowsPerWarp;
+  const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
+  const int group = threadIdx.x / 32 * Shape::kRowsPerWarp + lane / Shape::kLanes;
+  const int b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
+  const int n_begin = split * kTokenMeanRows, n_end = min(p.seqlen, n_begin + kTokenMeanRows);
+  float sum[kChunkElems] = {};
+  if (chunk < Shape::kChunks) {
+    const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
+                    chunk * kChunkElems;
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && p.x_view.row_stride % 8 == 0;
+    for (int n = n_begin + group; n < n_end; n += kRowGroups) {
+      alignas(16) Elem e8[kChunkElems];
+      const Elem* row = x + int64_t(n) * p.x_view.row_stride;
+      if (aligned) {
+        *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(row);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e) e8[e] = row[e];
+      }
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) sum[e] += to_float(e8[e]);
+    }
+  }
+  __shared__ float sums[kRowGroups][Shape::kLanes * kChunkElems];
+#pragma unroll
+  for (int e = 0; e < kChunkElems; ++e) sums[group][chunk * kChunkElems + e] = sum[e];
+  __syncthreads();
+  for (int d = threadIdx.x; d < kHeadDim; d += blockDim.x) {
+    float total = 0.f;
+    for (int g = 0; g < kRowGroups; ++g) total += sums[g][d];
+    p.partial[((int64_t(b) * p.heads + h) * gridDim.x + split) * kHeadDim + d] = total;
+  }
+}
+
+// mean = (sum of the partial sums, in split order) / N: one thread per channel.
+__global__ void token_mean_finish_kernel(const TokenMeanParams p, int splits) {
+  const int d = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
+  if (d >= p.head_dim) return;
+  const int64_t bh = int64_t(b) * p.heads + h;
+  float total = 0.f;
+  for (int s = 0; s < splits; ++s) total += p.partial[(bh * splits + s) * p.head_dim + d];
+  p.mean[bh * p.head_dim + d] = total / static_cast<float>(p.seqlen);
+}
+
 }  // namespace
 
+cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
+  if (int64_t(p.batch) * p.heads * p.seqlen == 0) return cudaSuccess;
+  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
+  const int splits = (p.seqlen + kTokenMeanRows - 1) / kTokenMeanRows;
+  const cudaError_t err = dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    return dispatch_elem(p.dtype, [&](auto elem) {
+      token_sum_kernel<decltype(head_dim)::value, decltype(elem)>
+          <<<dim3(splits, p.heads, p.batch), kQuantWarps * 32, 0, stream>>>(p);
+      return cudaGetLastError();
+    });
+  });
+  if (err != cudaSuccess) return err;
+  token_mean_finish_kernel<<<dim3(1, p.heads, p.batch), p.head_dim, 0, stream>>>(p, splits);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
-  const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_pad;
-  if (rows == 0) return cudaSuccess;
+  if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
   if (p.swizzle_128b && p.head_dim != 128) return cudaErrorInvalidValue;  // a row must be one 128-byte swizzle row
+  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
-    const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const dim3 grid((p.seqlen_pad + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
-      quantize_per_token_kernel<decltype(head_dim)::value, decltype(elem)>
-          <<<static_cast<unsigned>(blocks), kQuantWarps * 32, 0, stream>>>(p);
+      quantize_per_token_kernel<decltype(head_dim)::value, decltype(elem)><<<grid, kQuantWarps * 32, 0, stream>>>(p);
       return cudaGetLastError();
     });
   });
