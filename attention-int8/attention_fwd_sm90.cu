@@ -1,15 +1,15 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
-//   S = Q_q K_q^T : m64n128k32 s8 x s8 -> s32, Q and K read from shared memory by descriptor;
-//   O += P V      : m64n128k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
-//                   is the A-register layout), V^T read from shared memory by descriptor.
-// Warp specialization (kernel_traits.cuh): a producer thread streams K/V^T tiles of 128 keys through
-// kStages shared-memory stages with bulk copies on transaction barriers; two consumer warpgroups own
+//   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q from registers, K from shared memory by descriptor;
+//   O += P V      : m64n136k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
+//                   is the A-register layout), V^T and 8 rows of ones (the row sums of P) from shared memory.
+// Warp specialization (kernel_traits.cuh): a producer thread streams K/V^T tiles of 64 keys through
+// kStages shared-memory stages with bulk copies on transaction barriers; three consumer warpgroups own
 // 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
 //  - inside a warpgroup, the softmax of tile j runs while the P.V wgmma of tile j - 1 computes;
-//  - across warpgroups ("ping-pong"), a pair of named barriers makes the two take turns issuing their
-//    wgmmas, so one warpgroup's softmax runs under the other's matrix products instead of both
-//    doing softmax at the same time.
+//  - across warpgroups, named barriers make the consumers take turns issuing their wgmmas (round robin),
+//    so one warpgroup's softmax runs under the others' matrix products instead of all doing softmax at
+//    the same time.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -91,11 +91,15 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
     sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes + Traits::kSmemKScaleBytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
     sm90::bulk_copy_g2s(smem.k_scale(stage), k_scale_head + n0, Traits::kSmemKScaleBytes, smem.k_full(stage));
-    // V^T tiles of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
+    // V^T chunks of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
+    // In shared memory each chunk is followed by its rows of ones, which the copies leave alone.
     sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVtBytes);
-    sm90::bulk_copy_g2s(smem.v_t(stage), v_t_head + n0 * D * int64_t(sizeof(typename Traits::Elem)),
-                        Traits::kSmemVtBytes, smem.v_full(stage));
+    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kVtChunks * Traits::kSmemVtChunkBytes);
+#pragma unroll
+    for (int c = 0; c < Traits::kVtChunks; ++c)
+      sm90::bulk_copy_g2s(smem.v_t(stage) + c * Traits::kSmemVtChunkPitch,
+                          v_t_head + (n0 + c * Traits::kKeysPerSwizzleRow) * D * int64_t(sizeof(typename Traits::Elem)),
+                          Traits::kSmemVtChunkBytes, smem.v_full(stage));
   }
 }
 
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
+  constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs, kOHeadRegs = Traits::kOHeadRegs;
 
   extern __shared__ char smem_raw[];
   // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
@@ -140,6 +144,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     }
     sm90::mbarrier_init(smem.q_full(), 1);
     sm90::fence_barrier_init();
+  }
+  // The rows of ones after every V^T chunk: written once, read by wgmma through the async proxy.
+  {
+    constexpr int kWords = Traits::kSmemOnesBytes / 4, kBlocks = Traits::kStages * Traits::kVtChunks;
+    const uint32_t ones = ptx::pack2<Elem>(1.f, 1.f);
+    for (int w = tid; w < kBlocks * kWords; w += Traits::kThreads) {
+      const int block = w / kWords, stage = block / Traits::kVtChunks, chunk = block % Traits::kVtChunks;
+      char* dst = smem.v_t(stage) + chunk * Traits::kSmemVtChunkPitch + Traits::kSmemVtChunkBytes;
+      reinterpret_cast<uint32_t*>(dst)[w % kWords] = ones;
+    }
+    wgmma::fence_async_shared();
   }
   __syncthreads();
 
@@ -183,7 +198,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #pragma unroll
   for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad is summed at the end
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold
   // keys 16kk..16kk+15). It feeds the P.V wgmma that overlaps this tile's softmax, so it must stay
   // untouched until that wgmma completes.
@@ -193,13 +207,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   // the caller waits before the wgmma fence, since a spin loop between wgmmas makes ptxas serialize them.
   auto wait_v = [&](int n_block) { sm90::mbarrier_wait(smem.v_full(stage_of<Traits>(n_block)), phase_of<Traits>(n_block)); };
   auto issue_pv = [&](int n_block) {
-    const int stage = stage_of<Traits>(n_block);
+    const uint64_t v_t_stage_desc = wgmma::advance_desc(v_t_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
-      const int offset = stage * Traits::kSmemStageBytes +
-                         (kk * 16 / Traits::kKeysPerSwizzleRow) * Traits::kSmemVtChunkBytes +
-                         (kk * 16 % Traits::kKeysPerSwizzleRow) * int(sizeof(Elem));
-      wgmma::mma_m64n128k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_desc, offset));
+      constexpr int kKeysPerRow = Traits::kKeysPerSwizzleRow;
+      const int offset = (kk * 16 / kKeysPerRow) * Traits::kSmemVtChunkPitch + (kk * 16 % kKeysPerRow) * int(sizeof(Elem));
+      wgmma::mma_m64n136k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_stage_desc, offset));
     }
     wgmma::commit_group();
   };
@@ -222,27 +235,33 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::fence_operands(s_int);
     wgmma::fence_operands(o_acc);
     wgmma::fence();
+    const uint64_t k_stage_desc = wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes);
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<BN>(s_int, q_frag[ks], wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes + ks * 32),
-                           ks);
+      wgmma::mma_qk_s8<BN>(s_int, q_frag[ks], wgmma::advance_desc(k_stage_desc, ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
     sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
-    // Dequantize with the scales of the exact row and column each logit came from. The logit is rounded
-    // before the max is taken (not fused into the exponent's FMA): with logits ~1e9 an unrounded product
-    // can exceed the rounded max by half an ulp, 2^5 in log2 units, and overflow P.
-    const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
+    // Dequantize with the scales of the exact row and column each logit came from (the reference's order
+    // of products). The logit is rounded before the max is taken and the exponent is the exact difference
+    // l - m: folding q_scale into the exponent's FMA instead leaves a rounding residual of up to an ulp of
+    // the logit, which for logits ~1e10 (fp16 extremes) is 2^13 and would flush even the row max's P to 0.
+    const float2* k_scales = reinterpret_cast<const float2*>(smem.k_scale(stage)) + tig;
     float s[kSRegs];
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) {
-      s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[row_of(i)] * k_scale[col_of(i)];
-      if constexpr (kMasked) {
-        const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
-        if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
+    for (int c = 0; c < kSRegs / 4; ++c) {
+      const float2 ks = k_scales[4 * c];  // columns 8c + 2 tig and 8c + 2 tig + 1
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * c + e;
+        s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[row_of(i)] * (e % 2 ? ks.y : ks.x);
+        if constexpr (kMasked) {
+          const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
+          if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
+        }
       }
     }
 
@@ -251,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
     // P overwrites S.
     // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
-    // side: while the other warpgroup's wgmmas run, this warp is often its scheduler's only eligible one.
+    // side: while the other warpgroups' wgmmas run, this warp is often its scheduler's only eligible one.
     float tile_max[2], alpha[2], base[2];
     auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
     tile_max[0] = reduce_row<0>(s, fmax_op);
@@ -269,9 +288,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     }
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
-    auto add_op = [](float x, float y) { return x + y; };
-    row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
-    row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
     // Pinning P first keeps the compiler from hoisting the wait above the softmax it should overlap.
@@ -327,15 +343,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   Elem* o_head = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float sum = o_acc[kOHeadRegs + 2 * r];  // column D + 2 tig of row r: a column of ones (wgmma.cuh)
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
     const int row = m0 + row_in_tile[r];
     if (row >= p.seqlen_q) continue;
     Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
 #pragma unroll
-    for (int i = 2 * r; i < kORegs; i += 4) {
+    for (int i = 2 * r; i < kOHeadRegs; i += 4) {
       const int col = 8 * (i / 4) + 2 * tig;
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
