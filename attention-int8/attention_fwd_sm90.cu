@@ -1,8 +1,8 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
 //   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q from registers, K from shared memory by descriptor;
-//   O += P V      : m64n136k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
-//                   is the A-register layout), V^T and 8 rows of ones (the row sums of P) from shared memory.
+//   O += P V      : m64n128k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
+//                   is the A-register layout), V^T read from shared memory by descriptor.
 // Warp specialization (kernel_traits.cuh): a producer thread streams K/V^T tiles of 64 keys through
 // kStages shared-memory stages with bulk copies on transaction barriers; three consumer warpgroups own
 // 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
@@ -91,15 +91,11 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
     sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes + Traits::kSmemKScaleBytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
     sm90::bulk_copy_g2s(smem.k_scale(stage), k_scale_head + n0, Traits::kSmemKScaleBytes, smem.k_full(stage));
-    // V^T chunks of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
-    // In shared memory each chunk is followed by its rows of ones, which the copies leave alone.
+    // V^T tiles of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
     sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kVtChunks * Traits::kSmemVtChunkBytes);
-#pragma unroll
-    for (int c = 0; c < Traits::kVtChunks; ++c)
-      sm90::bulk_copy_g2s(smem.v_t(stage) + c * Traits::kSmemVtChunkPitch,
-                          v_t_head + (n0 + c * Traits::kKeysPerSwizzleRow) * D * int64_t(sizeof(typename Traits::Elem)),
-                          Traits::kSmemVtChunkBytes, smem.v_full(stage));
+    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVtBytes);
+    sm90::bulk_copy_g2s(smem.v_t(stage), v_t_head + n0 * D * int64_t(sizeof(typename Traits::Elem)),
+                        Traits::kSmemVtBytes, smem.v_full(stage));
   }
 }
 
@@ -109,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs, kOHeadRegs = Traits::kOHeadRegs;
+  constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
 
   extern __shared__ char smem_raw[];
   // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
@@ -145,17 +141,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     sm90::mbarrier_init(smem.q_full(), 1);
     sm90::fence_barrier_init();
   }
-  // The rows of ones after every V^T chunk: written once, read by wgmma through the async proxy.
-  {
-    constexpr int kWords = Traits::kSmemOnesBytes / 4, kBlocks = Traits::kStages * Traits::kVtChunks;
-    const uint32_t ones = ptx::pack2<Elem>(1.f, 1.f);
-    for (int w = tid; w < kBlocks * kWords; w += Traits::kThreads) {
-      const int block = w / kWords, stage = block / Traits::kVtChunks, chunk = block % Traits::kVtChunks;
-      char* dst = smem.v_t(stage) + chunk * Traits::kSmemVtChunkPitch + Traits::kSmemVtChunkBytes;
-      reinterpret_cast<uint32_t*>(dst)[w % kWords] = ones;
-    }
-    wgmma::fence_async_shared();
-  }
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -173,11 +158,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
   // This thread's two rows (accumulator rows group and group + 8 of its warp).
   int row_in_tile[2];
-  float q_scale[2];
+  float q_scale[2], neg_magic_q_scale[2];  // see ptx::small_int_times
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_in_tile[r] = consumer * 64 + warp_in_group * 16 + group + 8 * r;
     q_scale[r] = p.q_scale[bh_q * p.seqlen_q_pad + m0 + row_in_tile[r]];
+    neg_magic_q_scale[r] = -ptx::kSmallIntMagic * q_scale[r];
   }
   // Operand descriptors of stage 0; steps and stages are offsets from them.
   const uint64_t k_desc = wgmma::make_desc(smem.k(0)), v_t_desc = wgmma::make_desc(smem.v_t(0));
@@ -198,6 +184,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #pragma unroll
   for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad is summed at the end
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold
   // keys 16kk..16kk+15). It feeds the P.V wgmma that overlaps this tile's softmax, so it must stay
   // untouched until that wgmma completes.
@@ -211,8 +198,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
       constexpr int kKeysPerRow = Traits::kKeysPerSwizzleRow;
-      const int offset = (kk * 16 / kKeysPerRow) * Traits::kSmemVtChunkPitch + (kk * 16 % kKeysPerRow) * int(sizeof(Elem));
-      wgmma::mma_m64n136k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_stage_desc, offset));
+      const int offset = (kk * 16 / kKeysPerRow) * Traits::kSmemVtChunkBytes + (kk * 16 % kKeysPerRow) * int(sizeof(Elem));
+      wgmma::mma_m64n128k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_stage_desc, offset));
     }
     wgmma::commit_group();
   };
@@ -245,10 +232,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
-    // Dequantize with the scales of the exact row and column each logit came from (the reference's order
-    // of products). The logit is rounded before the max is taken and the exponent is the exact difference
-    // l - m: folding q_scale into the exponent's FMA instead leaves a rounding residual of up to an ulp of
-    // the logit, which for logits ~1e10 (fp16 extremes) is 2^13 and would flush even the row max's P to 0.
+    // Dequantize with the scales of the exact row and column each logit came from, in the reference's
+    // order, (S * q_scale) * k_scale; the first product is one exact FFMA (ptx::small_int_times). The
+    // logit is rounded before the max is taken and exp2 gets l - m exactly: an exponent fused into one
+    // FMA would carry the product's rounding residual, up to an ulp of the logit (2^13 at the ~1e10
+    // logits of fp16 extremes), and could flush even the row max's P to 0.
     const float2* k_scales = reinterpret_cast<const float2*>(smem.k_scale(stage)) + tig;
     float s[kSRegs];
 #pragma unroll
@@ -257,7 +245,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * c + e;
-        s[i] = ptx::small_int_to_float(s_int[i]) * q_scale[row_of(i)] * (e % 2 ? ks.y : ks.x);
+        const float s_q = ptx::small_int_times(s_int[i], q_scale[row_of(i)], neg_magic_q_scale[row_of(i)]);
+        s[i] = s_q * (e % 2 ? ks.y : ks.x);
         if constexpr (kMasked) {
           const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
           if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
@@ -288,6 +277,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     }
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
+    auto add_op = [](float x, float y) { return x + y; };
+    row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
+    row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
     // Pinning P first keeps the compiler from hoisting the wait above the softmax it should overlap.
@@ -343,13 +335,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   Elem* o_head = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = o_acc[kOHeadRegs + 2 * r];  // column D + 2 tig of row r: a column of ones (wgmma.cuh)
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
     const int row = m0 + row_in_tile[r];
     if (row >= p.seqlen_q) continue;
     Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
 #pragma unroll
-    for (int i = 2 * r; i < kOHeadRegs; i += 4) {
+    for (int i = 2 * r; i < kORegs; i += 4) {
       const int col = 8 * (i / 4) + 2 * tig;
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }

@@ -89,21 +89,7 @@ struct TransposeParams {
   int batch, heads, seqlen, seqlen_pad, head_dim;
 };
 
-// mean[b, h, :] = (1 / N) sum_n x[b, h, n, :] in fp32 (the K smoothing vector), deterministic: blocks of
-// kTokenMeanRows tokens write fp32 partial sums [B, H, ceil(N / kTokenMeanRows), D], a second pass adds
-// them in a fixed order. The caller allocates both.
-constexpr int kTokenMeanRows = 256;
-struct TokenMeanParams {
-  const void* x;
-  RowMajorView x_view;
-  float* partial;
-  float* mean;  // [B, H, D] contiguous
-  int batch, heads, seqlen, head_dim;
-  ElemType dtype;
-};
-
 cudaError_t launch_quantize_per_token(const QuantizeParams& params, cudaStream_t stream);
-cudaError_t launch_token_mean(const TokenMeanParams& params, cudaStream_t stream);
 cudaError_t launch_transpose_v(const TransposeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.v_t is set (see sm90_kernel_supported), else the portable one.
 // The sm90 kernel needs Q and K quantized with swizzle_128b.

@@ -89,19 +89,12 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kKeysPerSwizzleRow = 64;       // 128 B of 16-bit V^T
   static_assert(kBlockN % kKeysPerSwizzleRow == 0, "V^T tiles are whole 64-key swizzle chunks");
   static constexpr int kSAccRegs = kBlockN / 2;       // m64 x kBlockN accumulator registers per thread
-  // O += P V runs over D + 8 columns: 8 columns of ones after V's D (wgmma.cuh) accumulate the row sums
-  // of P on the tensor cores instead of 32 adds a thread per tile.
-  static constexpr int kOnesCols = 8;
-  static constexpr int kOHeadRegs = kHeadDim / 2;                   // m64 x D
-  static constexpr int kOAccRegs = (kHeadDim + kOnesCols) / 2;      // m64 x (D + 8)
+  static constexpr int kOAccRegs = kHeadDim / 2;      // m64 x D
 
   static constexpr int kSmemQBytes = kBlockM * kHeadDim;                  // int8
   static constexpr int kSmemKBytes = kBlockN * kHeadDim;                  // int8
   static constexpr int kSmemVtChunkBytes = kHeadDim * 128;                // d rows x 64 keys x 2 B
-  static constexpr int kSmemOnesBytes = kOnesCols * 128;                  // ones rows after each chunk
-  static constexpr int kSmemVtChunkPitch = kSmemVtChunkBytes + kSmemOnesBytes;
-  static constexpr int kVtChunks = kBlockN / kKeysPerSwizzleRow;
-  static constexpr int kSmemVtBytes = kSmemVtChunkPitch * kVtChunks;
+  static constexpr int kSmemVtBytes = kSmemVtChunkBytes * (kBlockN / kKeysPerSwizzleRow);
   static constexpr int kSmemKScaleBytes = kBlockN * 4;
   static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVtBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
   // Barriers: full/empty for K (with its scales) and for V^T per stage, and one for Q.

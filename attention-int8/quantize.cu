@@ -34,6 +34,10 @@ struct QuantRowShape {
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Scales keep 22 significant bits (round half up on the low 2 of fp32's 24; a relative change below
+// 2^-22): the sm90 kernel then dequantizes S * q_scale exactly with one FFMA (ptx::small_int_times).
+__device__ __forceinline__ float round_to_22_bits(float scale) { return __uint_as_float((__float_as_uint(scale) + 2u) & ~3u); }
+
 // Reduction over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
 template <int kLanes, typename T, typename Op>
 __device__ __forceinline__ T group_reduce(T x, Op op) {
@@ -117,7 +121,7 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
   const int byte_in_row = p.swizzle_128b ? ((chunk / 2) ^ (r.n % 8)) * 16 + (chunk % 2) * 8 : chunk * kChunkElems;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
-  if (chunk == 0) p.scale[r.row] = finite ? amax / 127.f * p.out_scale : NAN;
+  if (chunk == 0) p.scale[r.row] = finite ? round_to_22_bits(amax / 127.f * p.out_scale) : NAN;
 }
 
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
@@ -138,72 +142,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
   for (int it = 0; it < kRowIters; ++it) quantize_chunk<kHeadDim>(p, rows[it], chunk, e8[it]);
 }
 
-// Partial channel sums over kTokenMeanRows tokens of one head. Lanes take 8 consecutive channels (one
-// 16-byte load) of a row, as in the quantizer; the row groups of the block then meet in shared memory.
-template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantWarps * 32) token_sum_kernel(const TokenMeanParams p) {
-  using Shape = QuantRowShape<kHeadDim>;
-  constexpr int kRowGroups = kQuantWarps * Shape::kRowsPerWarp;
-  const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
-  const int group = threadIdx.x / 32 * Shape::kRowsPerWarp + lane / Shape::kLanes;
-  const int b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
-  const int n_begin = split * kTokenMeanRows, n_end = min(p.seqlen, n_begin + kTokenMeanRows);
-  float sum[kChunkElems] = {};
-  if (chunk < Shape::kChunks) {
-    const Elem* x = static_cast<const Elem*>(p.x) + b * p.x_view.batch_stride + h * p.x_view.head_stride +
-                    chunk * kChunkElems;
-    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && p.x_view.row_stride % 8 == 0;
-    for (int n = n_begin + group; n < n_end; n += kRowGroups) {
-      alignas(16) Elem e8[kChunkElems];
-      const Elem* row = x + int64_t(n) * p.x_view.row_stride;
-      if (aligned) {
-        *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(row);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kChunkElems; ++e) e8[e] = row[e];
-      }
-#pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) sum[e] += to_float(e8[e]);
-    }
-  }
-  __shared__ float sums[kRowGroups][Shape::kLanes * kChunkElems];
-#pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) sums[group][chunk * kChunkElems + e] = sum[e];
-  __syncthreads();
-  for (int d = threadIdx.x; d < kHeadDim; d += blockDim.x) {
-    float total = 0.f;
-    for (int g = 0; g < kRowGroups; ++g) total += sums[g][d];
-    p.partial[((int64_t(b) * p.heads + h) * gridDim.x + split) * kHeadDim + d] = total;
-  }
-}
-
-// mean = (sum of the partial sums, in split order) / N: one thread per channel.
-__global__ void token_mean_finish_kernel(const TokenMeanParams p, int splits) {
-  const int d = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
-  if (d >= p.head_dim) return;
-  const int64_t bh = int64_t(b) * p.heads + h;
-  float total = 0.f;
-  for (int s = 0; s < splits; ++s) total += p.partial[(bh * splits + s) * p.head_dim + d];
-  p.mean[bh * p.head_dim + d] = total / static_cast<float>(p.seqlen);
-}
-
 }  // namespace
-
-cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
-  if (int64_t(p.batch) * p.heads * p.seqlen == 0) return cudaSuccess;
-  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
-  const int splits = (p.seqlen + kTokenMeanRows - 1) / kTokenMeanRows;
-  const cudaError_t err = dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-    return dispatch_elem(p.dtype, [&](auto elem) {
-      token_sum_kernel<decltype(head_dim)::value, decltype(elem)>
-          <<<dim3(splits, p.heads, p.batch), kQuantWarps * 32, 0, stream>>>(p);
-      return cudaGetLastError();
-    });
-  });
-  if (err != cudaSuccess) return err;
-  token_mean_finish_kernel<<<dim3(1, p.heads, p.batch), p.head_dim, 0, stream>>>(p, splits);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;

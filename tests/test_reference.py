@@ -98,9 +98,22 @@ def test_quantize_mean_and_out_scale(ai8):
     x = torch.randn(2, 2, 50, 64).half()
     mean = torch.randn(2, 2, 64)
     x_q, scale = ai8.reference.quantize_per_token(x, mean, out_scale=0.3)
-    x_q_ref, scale_ref = ai8.reference.quantize_per_token(x.float() - mean[:, :, None])
+    x_q_ref, _ = ai8.reference.quantize_per_token(x.float() - mean[:, :, None])
     assert torch.equal(x_q, x_q_ref)
-    assert torch.equal(scale, scale_ref * torch.tensor(0.3, dtype=torch.float32))
+    amax = (x.float() - mean[:, :, None]).abs().amax(dim=-1)
+    exact = amax.double() / 127 * 0.3
+    assert ((scale.double() - exact).abs() <= exact * 2.0 ** -21).all()
+
+
+def test_scales_keep_22_bits(ai8):
+    """Scales are rounded to 22 significant bits (the Hopper kernel's exact one-FMA dequantization relies
+    on it): the low 2 mantissa bits are clear, and the rounding is to nearest (half up)."""
+    x = torch.randn(4, 3, 300, 128) * torch.rand(4, 3, 300, 1) * 1000
+    _, scale = ai8.reference.quantize_per_token(x, out_scale=0.0625 * 1.4426950408889634)
+    assert ((scale.view(torch.int32) & 3) == 0).all()
+    raw = x.abs().amax(dim=-1) / torch.tensor(127.0) * torch.tensor(0.0625 * 1.4426950408889634)
+    assert ((scale.double() - raw.double()).abs() <= raw.double() * 2.0 ** -22).all()
+    assert (scale != raw).any()  # the rounding did something on these random rows
 
 
 def test_quantize_zero_and_non_finite_rows(ai8):

@@ -151,27 +151,6 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   return out;
 }
 
-// [B, H, D] fp32 token mean of x (the K smoothing vector), see launch_token_mean.
-at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
-  const Shape s = shape_of(x, layout);
-  const int64_t splits = (s.seqlen + ai8::kTokenMeanRows - 1) / ai8::kTokenMeanRows;
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor partial = at::empty({s.batch, s.heads, splits, s.head_dim}, f32);
-  at::Tensor mean = at::empty({s.batch, s.heads, s.head_dim}, f32);
-  ai8::TokenMeanParams params{};
-  params.x = x.data_ptr();
-  params.x_view = view_of(x, layout);
-  params.partial = partial.data_ptr<float>();
-  params.mean = mean.data_ptr<float>();
-  params.batch = static_cast<int>(s.batch);
-  params.heads = static_cast<int>(s.heads);
-  params.seqlen = static_cast<int>(s.seqlen);
-  params.head_dim = static_cast<int>(s.head_dim);
-  params.dtype = elem_type_of(x);
-  check_cuda(ai8::launch_token_mean(params, stream), "launching token_mean");
-  return mean;
-}
-
 // V^T tiles [B, H, seqlen_pad / 64, D, 64] for the sm90 kernel (see launch_transpose_v).
 at::Tensor transpose_v(const at::Tensor& v, Layout layout, int64_t seqlen_pad, cudaStream_t stream) {
   const Shape s = shape_of(v, layout);
@@ -223,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
   // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
   std::optional<at::Tensor> k_mean;
-  if (smooth_k && sk.seqlen > 0) k_mean = token_mean(k, layout, stream);
+  if (smooth_k && sk.seqlen > 0) k_mean = at::mean(k, {seq_axis(layout)}, /*keepdim=*/false, at::kFloat).contiguous();
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
   // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back.
   const bool lse_shift = with_lse && k_mean.has_value();

@@ -7,7 +7,7 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    no longer eat the INT8 range.
 2. Per-token symmetric INT8 in fp32: ``amax = max_d |x|``, ``x_q = round_half_even(x * (127 / amax))``
    (the fp32 quotient first, then the product), clamped to [-127, 127];
-   ``scale = amax / 127 * out_scale``. ``amax == 0`` gives ``x_q = 0, scale = 0``; a row holding a
+   ``scale = amax / 127 * out_scale`` rounded to 22 significant bits. ``amax == 0`` gives ``x_q = 0, scale = 0``; a row holding a
    non-finite value gets a NaN scale (its ``x_q`` is unspecified; here 0), so NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
 3. ``S2[i, j] = (q_q[i] . k_q[j]) * q_scale[i] * k_scale[j]``: exact integer dot products dequantized in
@@ -38,6 +38,12 @@ LOG2E = math.log2(math.e)
 _MAX_SCORE_ELEMENTS = 1 << 25
 
 
+def _round_to_22_bits(scale):
+    """fp32 ``scale`` rounded (half up) to 22 significant bits, as the CUDA quantizer stores it: the Hopper
+    kernel's one-FMA dequantization is then exact."""
+    return ((scale.view(torch.int32) + 2) & ~3).view(torch.float32)
+
+
 def quantize_per_token(x, mean=None, out_scale=1.0):
     """Per-token symmetric INT8 quantization of ``x`` [..., N, D].
 
@@ -52,7 +58,7 @@ def quantize_per_token(x, mean=None, out_scale=1.0):
     # and `t / 127` on CUDA as t * (1 / 127), each one rounding more than the kernel's IEEE division.
     inv = torch.full_like(amax, 127.0) / amax
     x_q = torch.round(x * inv).clamp_(-127, 127)
-    scale = amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale)
+    scale = _round_to_22_bits(amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale))
     finite = torch.isfinite(x).all(dim=-1, keepdim=True)
     x_q = torch.where(finite & (amax > 0), x_q, torch.zeros_like(x_q)).to(torch.int8)
     scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
