@@ -100,9 +100,10 @@ def test_quantize_mean_and_out_scale(ai8):
     x_q, scale = ai8.reference.quantize_per_token(x, mean, out_scale=0.3)
     x_q_ref, _ = ai8.reference.quantize_per_token(x.float() - mean[:, :, None])
     assert torch.equal(x_q, x_q_ref)
+    # out_scale multiplies the fp32 amax / 127, and the product is then rounded to 22 bits.
     amax = (x.float() - mean[:, :, None]).abs().amax(dim=-1)
-    exact = amax.double() / 127 * 0.3
-    assert ((scale.double() - exact).abs() <= exact * 2.0 ** -21).all()
+    unrounded = amax / torch.tensor(127.0) * torch.tensor(0.3, dtype=torch.float32)
+    assert torch.equal(scale, ((unrounded.view(torch.int32) + 2) & ~3).view(torch.float32))
 
 
 def test_scales_keep_22_bits(ai8):

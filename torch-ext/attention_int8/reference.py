@@ -7,8 +7,9 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    no longer eat the INT8 range.
 2. Per-token symmetric INT8 in fp32: ``amax = max_d |x|``, ``x_q = round_half_even(x * (127 / amax))``
    (the fp32 quotient first, then the product), clamped to [-127, 127];
-   ``scale = amax / 127 * out_scale`` rounded to 22 significant bits. ``amax == 0`` gives ``x_q = 0, scale = 0``; a row holding a
-   non-finite value gets a NaN scale (its ``x_q`` is unspecified; here 0), so NaN reaches the output.
+   ``scale = amax / 127 * out_scale`` rounded to 22 significant bits. ``amax == 0`` gives ``x_q = 0,
+   scale = 0``; a row holding a non-finite value gets a NaN scale (its ``x_q`` is unspecified; here 0), so
+   NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
 3. ``S2[i, j] = (q_q[i] . k_q[j]) * q_scale[i] * k_scale[j]``: exact integer dot products dequantized in
    fp32. S2 is the logit in base 2.
