@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
 
 cudaError_t launch_attention_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.seqlen_q == 0 || p.batch == 0 || p.heads_q == 0) return cudaSuccess;
-  if (p.v_t != nullptr) return launch_attention_forward_sm90(p, stream);
+  if (p.sm90) return launch_attention_forward_sm90(p, stream);
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       using Traits = AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>;

@@ -1,17 +1,21 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
 //   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q from registers, K from shared memory by descriptor;
-//   O += P V      : m64n128k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
-//                   is the A-register layout), V^T read from shared memory by descriptor.
-// Warp specialization (kernel_traits.cuh): a producer thread streams K/V^T tiles of 64 keys through
-// kStages shared-memory stages with bulk copies on transaction barriers; three consumer warpgroups own
-// 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
+//   O += P V      : m64nDk16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
+//                   is the A-register layout), V read transposed (MN-major) from shared memory.
+// D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
+// keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
+// consumer warpgroups own 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
 //  - inside a warpgroup, the softmax of tile j runs while the P.V wgmma of tile j - 1 computes;
 //  - across warpgroups, named barriers make the consumers take turns issuing their wgmmas (round robin),
 //    so one warpgroup's softmax runs under the others' matrix products instead of all doing softmax at
 //    the same time.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "attention_int8.h"
@@ -19,6 +23,7 @@
 #include "kernel_traits.cuh"
 #include "ptx.cuh"
 #include "sm90_pipeline.cuh"
+#include "swizzle.cuh"
 #include "wgmma.cuh"
 
 namespace attention_int8 {
@@ -30,8 +35,8 @@ struct Sm90Smem {
   char* stage_base;
   uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
-  __device__ char* v_t(int stage) const { return k(stage) + Traits::kSmemKBytes; }
-  __device__ char* k_scale(int stage) const { return v_t(stage) + Traits::kSmemVtBytes; }
+  __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
+  __device__ char* k_scale(int stage) const { return v(stage) + Traits::kSmemVBytes; }
   __device__ uint64_t* k_full(int stage) const { return barriers + stage; }
   __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
   __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
@@ -39,7 +44,7 @@ struct Sm90Smem {
   __device__ uint64_t* q_full() const { return barriers + 4 * Traits::kStages; }
 };
 
-// Accumulator register i of an m64n128 fragment: which of the thread's two rows, and which column (wgmma.cuh).
+// Accumulator register i of an m64nN fragment: which of the thread's two rows, and which column (wgmma.cuh).
 __device__ __forceinline__ constexpr int row_of(int i) { return (i / 2) % 2; }
 __device__ __forceinline__ int col_of(int i) { return 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i % 2); }
 
@@ -76,10 +81,11 @@ __device__ __forceinline__ int stage_of(int n_block) { return n_block % Traits::
 template <typename Traits>
 __device__ __forceinline__ uint32_t phase_of(int n_block) { return (n_block / Traits::kStages) & 1; }
 
-// The producer: one thread issues every copy of the CTA (Q once, then K + scales and V^T per tile).
+// The producer: one thread issues every copy of the CTA (Q once, then K + scales and V per tile).
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* q_tile, const int8_t* k_head,
-                                              const float* k_scale_head, const char* v_t_head, int n_blocks) {
+                                              const float* k_scale_head, const CUtensorMap* v_map, int head_kv,
+                                              int batch, int n_blocks) {
   constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
   sm90::mbarrier_arrive_expect_tx(smem.q_full(), Traits::kSmemQBytes);
   sm90::bulk_copy_g2s(smem.q, q_tile, Traits::kSmemQBytes, smem.q_full());
@@ -91,16 +97,20 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
     sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes + Traits::kSmemKScaleBytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
     sm90::bulk_copy_g2s(smem.k_scale(stage), k_scale_head + n0, Traits::kSmemKScaleBytes, smem.k_full(stage));
-    // V^T tiles of 64 keys are [D x 64] each and stored one after another: keys n0.. start at n0 * D.
+    // Keys past seqlen_kv arrive as zeros (P is 0 there, and 0 * garbage could be NaN). Full boxes
+    // count towards the transaction bytes either way.
     sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVtBytes);
-    sm90::bulk_copy_g2s(smem.v_t(stage), v_t_head + n0 * D * int64_t(sizeof(typename Traits::Elem)),
-                        Traits::kSmemVtBytes, smem.v_full(stage));
+    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVBytes);
+#pragma unroll
+    for (int box = 0; box < Traits::kVBoxes; ++box)
+      sm90::tma_load_4d(smem.v(stage) + box * Traits::kSmemVBoxBytes, v_map, box * Traits::kVBoxChannels, int(n0),
+                        head_kv, batch, smem.v_full(stage));
   }
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) attention_fwd_sm90_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    attention_fwd_sm90_kernel(const AttentionParams p, const __grid_constant__ CUtensorMap v_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
@@ -108,7 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
 
   extern __shared__ char smem_raw[];
-  // wgmma's 128-byte swizzle is anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
+  // The swizzle atoms (at most 1024 bytes) are anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
   // rounding an integer address) keeps the pointers visibly in shared memory: LDS, not generic loads.
   char* smem_base = smem_raw + (1024 - sm90::smem_addr(smem_raw) % 1024) % 1024;
   char* stage_base = smem_base + Traits::kSmemQBytes;
@@ -147,9 +157,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0)
       produce_tiles<Traits>(smem, p.q + (bh_q * p.seqlen_q_pad + m0) * D, p.k + bh_kv * p.seqlen_kv_pad * D,
-                            p.k_scale + bh_kv * p.seqlen_kv_pad,
-                            static_cast<const char*>(p.v_t) + bh_kv * D * p.seqlen_kv_pad * int64_t(sizeof(Elem)),
-                            n_blocks);
+                            p.k_scale + bh_kv * p.seqlen_kv_pad, &v_map, head_kv, batch, n_blocks);
     return;
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
@@ -166,10 +174,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
     neg_magic_q_scale[r] = -ptx::kSmallIntMagic * q_scale[r];
   }
   // Operand descriptors of stage 0; steps and stages are offsets from them.
-  const uint64_t k_desc = wgmma::make_desc(smem.k(0)), v_t_desc = wgmma::make_desc(smem.v_t(0));
+  const uint64_t k_desc = wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0));
+  const uint64_t v_desc = wgmma::make_desc<128>(smem.v(0), Traits::kSmemVBoxBytes, 8 * 128);
 
   // This warpgroup's 64 Q rows stay in registers as wgmma A fragments (16 registers a thread): the
-  // tensor cores then read only K and V^T from shared memory, whose bandwidth three consumers stretch.
+  // tensor cores then read only K and V from shared memory, whose bandwidth three consumers stretch.
   sm90::mbarrier_wait(smem.q_full(), 0);
   uint32_t q_frag[Traits::kQKSteps][4];
 #pragma unroll
@@ -177,7 +186,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = consumer * 64 + warp_in_group * 16 + group + 8 * (j % 2), byte = ks * 32 + 16 * (j / 2) + 4 * tig;
-      q_frag[ks][j] = *reinterpret_cast<const uint32_t*>(smem.q + wgmma::swizzled_offset(row, byte / 16) + byte % 16);
+      q_frag[ks][j] =
+          *reinterpret_cast<const uint32_t*>(smem.q + swizzle::offset<Traits::kQKRowBytes>(row, byte / 16) + byte % 16);
     }
 
   float o_acc[kORegs];
@@ -190,17 +200,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
   // untouched until that wgmma completes.
   uint32_t p_frag[Traits::kPVSteps][4];
 
-  // Issues O += P V^T-tile for tile `n_block` (asynchronous; one commit group). Its V^T must have landed:
+  // Issues O += P V-tile for tile `n_block` (asynchronous; one commit group). Its V must have landed:
   // the caller waits before the wgmma fence, since a spin loop between wgmmas makes ptxas serialize them.
   auto wait_v = [&](int n_block) { sm90::mbarrier_wait(smem.v_full(stage_of<Traits>(n_block)), phase_of<Traits>(n_block)); };
   auto issue_pv = [&](int n_block) {
-    const uint64_t v_t_stage_desc = wgmma::advance_desc(v_t_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
+    const uint64_t v_stage_desc = wgmma::advance_desc(v_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
 #pragma unroll
-    for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
-      constexpr int kKeysPerRow = Traits::kKeysPerSwizzleRow;
-      const int offset = (kk * 16 / kKeysPerRow) * Traits::kSmemVtChunkBytes + (kk * 16 % kKeysPerRow) * int(sizeof(Elem));
-      wgmma::mma_m64n128k16_f32<Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_t_stage_desc, offset));
-    }
+    for (int kk = 0; kk < Traits::kPVSteps; ++kk)  // keys 16 kk.. are 128-byte rows 16 kk.. of every box
+      wgmma::mma_pv<D, Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_stage_desc, kk * 16 * 128));
     wgmma::commit_group();
   };
   auto release = [&](uint64_t* empty) {
@@ -355,13 +362,64 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) att
 #endif
 }
 
+// cuTensorMapEncodeTiled is a driver API function: taken through the runtime's entry-point query, so
+// the library links against the runtime alone.
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  return encode;
+}
+
+// V [B, Hkv, seqlen_kv, D] through its strides as a 4-D TMA tensor (innermost first: channel, key,
+// head, batch), read in boxes of 64 keys x kVBoxChannels channels with the 128-byte swizzle.
+template <typename Traits>
+cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
+  *map = CUtensorMap{};
+  if (p.seqlen_kv == 0) return cudaSuccess;  // no key tile: the map is never read
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  constexpr uint64_t kElemBytes = sizeof(typename Traits::Elem);
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seqlen_kv), cuuint64_t(p.heads_kv),
+                              cuuint64_t(p.batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.v_view.row_stride) * kElemBytes,
+                                 cuuint64_t(p.v_view.head_stride) * kElemBytes,
+                                 cuuint64_t(p.v_view.batch_stride) * kElemBytes};
+  const cuuint32_t box[4] = {Traits::kVBoxChannels, Traits::kBlockN, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(map,
+                              std::is_same_v<typename Traits::Elem, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                            : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              4, const_cast<void*>(p.v), dims, strides, box, element_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim != 128) return cudaErrorInvalidValue;
-  return dispatch_elem(p.dtype, [&](auto elem) {
-    using Traits = Sm90AttentionKernelTraits<decltype(elem)>;
-    return launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, p, stream);
+  if (!sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
+  return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    constexpr int D = decltype(head_dim)::value;
+    if constexpr (!sm90_kernel_supported(9, 0, D)) {
+      return cudaErrorInvalidValue;
+    } else {
+      return dispatch_elem(p.dtype, [&](auto elem) {
+        using Traits = Sm90AttentionKernelTraits<D, decltype(elem)>;
+        CUtensorMap v_map;
+        const cudaError_t err = encode_v_map<Traits>(p, &v_map);
+        if (err != cudaSuccess) return err;
+        return launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, p, stream, v_map);
+      });
+    }
   });
 }
 

@@ -21,10 +21,10 @@ constexpr int kKeyPad = 128;
 
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
 
-// The Hopper kernel (wgmma, built for sm_90a) serves head_dim 128 on compute capability 9.0; it
-// reads V pre-transposed (launch_transpose_v). Everything else takes the portable mma.sync kernel.
+// The Hopper kernel (wgmma, built for sm_90a) serves head_dim 64 and 128 on compute capability 9.0:
+// its INT8 rows must be one 64- or 128-byte swizzle row. Everything else takes the portable kernel.
 constexpr bool sm90_kernel_supported(int cc_major, int cc_minor, int head_dim) {
-  return cc_major == 9 && cc_minor == 0 && head_dim == 128;
+  return cc_major == 9 && cc_minor == 0 && (head_dim == 64 || head_dim == 128);
 }
 
 // Rows of an [B, H, N, D] tensor addressed by strides (in elements; the D stride must be 1).
@@ -53,10 +53,10 @@ struct QuantizeParams {
   int batch, heads, seqlen, seqlen_pad, head_dim;
   float out_scale;
   ElemType dtype;
-  // head_dim 128 only: store each row's eight 16-byte chunks in the order of the K-major 128-byte
-  // swizzle (chunk c of row n at position c ^ (n % 8)), the shared-memory image the sm90 kernel's
-  // wgmma reads, so it can load tiles with plain contiguous copies.
-  bool swizzle_128b;
+  // Head dims the sm90 kernel serves only: store each row's 16-byte chunks in the K-major swizzled
+  // order of swizzle.cuh (D-byte rows), the shared-memory image the sm90 kernel's wgmma reads, so it
+  // loads tiles with plain contiguous copies.
+  bool sm90_layout;
 };
 
 // O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. Q/K come from the quantizer
@@ -67,32 +67,19 @@ struct AttentionParams {
   const int8_t* k;      // [B, Hkv, seqlen_kv_pad, D]
   const float* q_scale; // [B, Hq,  seqlen_q_pad], includes sm_scale * log2(e)
   const float* k_scale; // [B, Hkv, seqlen_kv_pad]
-  const void* v;
+  const void* v;        // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
   RowMajorView v_view;
-  const void* v_t;      // V^T tiles from launch_transpose_v: the sm90 kernel's V; else nullptr
   void* o;
   RowMajorView o_view;
   float* lse;           // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
+  bool sm90;            // Q and K quantized with sm90_layout: run the Hopper kernel
   ElemType dtype;
 };
 
-// V [B, H, N, D] (strided, 16-bit elements) -> V^T in tiles of 64 keys, [B, H, n_pad / 64, D, 64],
-// zeros in keys [N, n_pad): the K-major operand of the sm90 kernel's P.V wgmma, each 128-byte row
-// (64 keys of one channel d) with its 16-byte chunks in 128-byte-swizzle order (chunk c at c ^ (d % 8)),
-// so the keys n0 .. n0 + 127 of a head are one contiguous 32 KiB shared-memory image at offset n0 * D.
-struct TransposeParams {
-  const void* v;
-  RowMajorView v_view;
-  void* v_t;
-  int batch, heads, seqlen, seqlen_pad, head_dim;
-};
-
 cudaError_t launch_quantize_per_token(const QuantizeParams& params, cudaStream_t stream);
-cudaError_t launch_transpose_v(const TransposeParams& params, cudaStream_t stream);
-// Runs the sm90 kernel when params.v_t is set (see sm90_kernel_supported), else the portable one.
-// The sm90 kernel needs Q and K quantized with swizzle_128b.
+// Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 

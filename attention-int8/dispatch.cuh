@@ -32,12 +32,13 @@ cudaError_t dispatch_elem(ElemType dtype, F&& f) {
 
 // Launches an attention kernel over (query blocks, heads, batch) with the dynamic shared memory its
 // traits ask for (above 48 KB only after cudaFuncSetAttribute raises the kernel's limit).
-template <typename Traits, typename Kernel>
-cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+// `extra` are further kernel arguments after the params (the sm90 kernel's TMA descriptor).
+template <typename Traits, typename Kernel, typename... Extra>
+cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cudaStream_t stream, const Extra&... extra) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, extra...);
   return cudaGetLastError();
 }
 

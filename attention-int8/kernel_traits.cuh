@@ -57,19 +57,21 @@ struct AttentionKernelTraits {
 };
 
 // Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
-// Q, K and V^T into shared memory with bulk copies, and kConsumers MMA warpgroups of 64 query rows
-// each over K/V tiles of kBlockN keys. Operands live in shared memory in the K-major 128-byte-swizzled
-// layout of wgmma.cuh (a row of Q/K, 128 int8, or of V^T, 64 keys of fp16/bf16, is one swizzle row);
-// the pre-passes write that layout to global memory, so every load is one contiguous copy.
+// Q, K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
+// kBlockN keys. Q and K arrive as INT8 rows of D bytes already in the K-major swizzled order of
+// swizzle.cuh (the quantizer writes it), so each is one contiguous bulk copy; V is read from the
+// user's tensor by TMA, which swizzles it into boxes of 64 keys x 64 channels (128 B per key) that
+// the P.V wgmma reads MN-major (wgmma.cuh).
 //
 // Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
 // one warp per other consumer. Three consumers put three softmax warps on every scheduler; their
 // registers (160 a thread) then only fit 64-key S and P tiles.
-template <typename Elem_, int kConsumers_ = 3, int kBlockN_ = 64, int kStages_ = 4>
+template <int kHeadDim_, typename Elem_, int kConsumers_ = 3, int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
-  static constexpr int kHeadDim = 128;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "an INT8 row must be one 64- or 128-byte swizzle row");
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kBlockM = 64 * kConsumers;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
@@ -84,20 +86,25 @@ struct Sm90AttentionKernelTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static constexpr int kStages = kStages_;
 
-  static constexpr int kQKSteps = kHeadDim / 32;      // k32 wgmma steps for S = Q K^T
-  static constexpr int kPVSteps = kBlockN / 16;       // k16 wgmma steps for O += P V
-  static constexpr int kKeysPerSwizzleRow = 64;       // 128 B of 16-bit V^T
-  static_assert(kBlockN % kKeysPerSwizzleRow == 0, "V^T tiles are whole 64-key swizzle chunks");
-  static constexpr int kSAccRegs = kBlockN / 2;       // m64 x kBlockN accumulator registers per thread
-  static constexpr int kOAccRegs = kHeadDim / 2;      // m64 x D
+  static constexpr int kQKRowBytes = kHeadDim;   // INT8 Q/K rows: the K-major swizzle width
+  static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
+  static constexpr int kPVSteps = kBlockN / 16;   // k16 wgmma steps for O += P V
+  static constexpr int kSAccRegs = kBlockN / 2;   // m64 x kBlockN accumulator registers per thread
+  static constexpr int kOAccRegs = kHeadDim / 2;  // m64 x D
 
-  static constexpr int kSmemQBytes = kBlockM * kHeadDim;                  // int8
-  static constexpr int kSmemKBytes = kBlockN * kHeadDim;                  // int8
-  static constexpr int kSmemVtChunkBytes = kHeadDim * 128;                // d rows x 64 keys x 2 B
-  static constexpr int kSmemVtBytes = kSmemVtChunkBytes * (kBlockN / kKeysPerSwizzleRow);
+  // V boxes: kBlockN keys x 64 channels, one 128-byte swizzle row per key.
+  static constexpr int kVBoxChannels = 128 / sizeof(Elem);
+  static_assert(kHeadDim % kVBoxChannels == 0, "V tiles are whole 64-channel boxes");
+  static constexpr int kVBoxes = kHeadDim / kVBoxChannels;
+  static constexpr int kSmemVBoxBytes = kBlockN * 128;
+
+  static constexpr int kSmemQBytes = kBlockM * kQKRowBytes;
+  static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
+  static constexpr int kSmemVBytes = kVBoxes * kSmemVBoxBytes;
   static constexpr int kSmemKScaleBytes = kBlockN * 4;
-  static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVtBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
-  // Barriers: full/empty for K (with its scales) and for V^T per stage, and one for Q.
+  static_assert(kSmemQBytes % 1024 == 0 && kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
+  static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
+  // Barriers: full/empty for K (with its scales) and for V per stage, and one for Q.
   static constexpr int kBarriers = 4 * kStages + 1;
   static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemQBytes + kStages * kSmemStageBytes +
                                     kBarriers * 8;

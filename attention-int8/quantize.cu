@@ -11,6 +11,7 @@
 
 #include "attention_int8.h"
 #include "dispatch.cuh"
+#include "swizzle.cuh"
 
 namespace attention_int8 {
 namespace {
@@ -118,7 +119,9 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) q8[e] = static_cast<int8_t>(max(-127, min(127, __float2int_rn(v[e] * inv_scale))));
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
-  const int byte_in_row = p.swizzle_128b ? ((chunk / 2) ^ (r.n % 8)) * 16 + (chunk % 2) * 8 : chunk * kChunkElems;
+  int byte_in_row = chunk * kChunkElems;
+  if constexpr (kHeadDim == 64 || kHeadDim == 128)
+    if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
   if (chunk == 0) p.scale[r.row] = finite ? round_to_22_bits(amax / 127.f * p.out_scale) : NAN;
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
 
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
-  if (p.swizzle_128b && p.head_dim != 128) return cudaErrorInvalidValue;  // a row must be one 128-byte swizzle row
+  if (p.sm90_layout && !sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;

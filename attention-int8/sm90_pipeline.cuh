@@ -1,5 +1,5 @@
-// Hopper (sm_90) producer/consumer primitives: transaction barriers (mbarrier), bulk global->shared
-// copies that complete on them, named barriers between warpgroups, and register reallocation.
+// Hopper (sm_90) producer/consumer primitives: transaction barriers (mbarrier), bulk and TMA
+// global->shared copies that complete on them, named barriers between warpgroups, and register reallocation.
 //
 // The protocol of a pipeline stage: the producer arms the stage's "full" barrier with the number of
 // bytes it will copy (arrive_expect_tx) and issues bulk copies that count those bytes down; the phase
@@ -60,6 +60,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem, const void* gmem, uint
                    smem_addr(smem)),
                "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
+}
+
+// Copies one box of a 4-D tensor (coordinates innermost first, in elements) from global to shared
+// memory through its TMA descriptor, which sets the box shape and the swizzle; elements outside the
+// tensor arrive as zeros. `tensor_map` must live in kernel-parameter, constant or global memory.
+__device__ __forceinline__ void tma_load_4d(void* smem, const void* tensor_map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::
+          "r"(smem_addr(smem)),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
 }
 
 // Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads: sync waits, arrive does not.

@@ -17,8 +17,8 @@ LSE_REF_ATOL = 1e-3
 
 KINDS = ("normal", "k_offset", "q_shift")
 
-# The binding runs the Hopper (wgmma) kernel for head_dim 128 on compute capability 9.0 and the portable
-# mma.sync kernel otherwise; ATTENTION_INT8_FORCE_PORTABLE=1 (read per call) forces the portable one.
+# The binding runs the Hopper (wgmma) kernel for head_dim 64 and 128 on compute capability 9.0 and the
+# portable mma.sync kernel otherwise; ATTENTION_INT8_FORCE_PORTABLE=1 (read per call) forces the portable one.
 KERNELS = ("auto", "portable")
 
 
@@ -27,8 +27,8 @@ def select_kernel(monkeypatch, kernel):
 
 
 def kernels_for(case):
-    """Both choices for head_dim 128; other head dims run the portable kernel anyway."""
-    return KERNELS if case.head_dim == 128 else KERNELS[:1]
+    """Both choices for the head dims the Hopper kernel serves; others run the portable kernel anyway."""
+    return KERNELS if case.head_dim in (64, 128) else KERNELS[:1]
 
 
 def kernel_params(cases):

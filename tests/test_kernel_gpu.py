@@ -1,6 +1,6 @@
 """Accuracy of the CUDA kernels: against exact float64 attention, and against the PyTorch reference of the
 same INT8 scheme (tests/_helpers.py: reference_bound explains how close the two must be). Tests with
-head_dim 128 run both the automatic kernel choice (the wgmma kernel on Hopper) and the portable kernel."""
+head_dim 64 or 128 run both the automatic kernel choice (the wgmma kernel on Hopper) and the portable kernel."""
 
 import itertools
 import math
@@ -80,7 +80,8 @@ def _strided(x_hnd, view):
 
 
 @pytest.mark.parametrize("view", ["fused_qkv", "seq_slice", "misaligned", "last_dim", "expanded_kv_heads"])
-@pytest.mark.parametrize("head_dim, kernel", [(96, "auto"), (128, "auto"), (128, "portable")])
+@pytest.mark.parametrize("head_dim, kernel",
+                         [(64, "auto"), (64, "portable"), (96, "auto"), (128, "auto"), (128, "portable")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_views(ai8, monkeypatch, view, head_dim, kernel, dtype):
     select_kernel(monkeypatch, kernel)

@@ -103,14 +103,16 @@ void check_sizes(const Shape& s, const char* name) {
 
 int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 
-// The kernel streams V rows with 16-byte cp.async copies, so V's base and row/head/batch strides must
-// be 16-byte aligned. Anything else is copied once into a dense tensor (documented cost).
-at::Tensor v_with_aligned_rows(const at::Tensor& v, Layout layout) {
+// The portable kernel streams V rows with 16-byte cp.async copies, the sm90 kernel reads V by TMA:
+// V's base and row/head/batch strides must be 16-byte aligned, and TMA also takes no zero stride (an
+// expanded tensor). Anything else is copied once into a dense tensor (documented cost).
+at::Tensor v_for_kernel(const at::Tensor& v, Layout layout, bool sm90) {
   const int64_t align = 16 / v.element_size();
   const auto view = view_of(v, layout);
-  const bool aligned = reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
-                       view.head_stride % align == 0 && view.row_stride % align == 0;
-  return aligned ? v : at::empty_like(v, at::MemoryFormat::Contiguous).copy_(v);
+  bool usable = reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
+                view.head_stride % align == 0 && view.row_stride % align == 0;
+  if (sm90) usable = usable && view.batch_stride > 0 && view.head_stride > 0 && view.row_stride > 0;
+  return usable ? v : at::empty_like(v, at::MemoryFormat::Contiguous).copy_(v);
 }
 
 struct QuantizedRows {
@@ -121,7 +123,7 @@ struct QuantizedRows {
 
 QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
                        int64_t row_multiple, cudaStream_t stream, const std::optional<at::Tensor>& dot_vec = {},
-                       bool swizzle_128b = false) {
+                       bool sm90_layout = false) {
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -146,26 +148,9 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.head_dim = static_cast<int>(s.head_dim);
   params.out_scale = static_cast<float>(out_scale);
   params.dtype = elem_type_of(x);
-  params.swizzle_128b = swizzle_128b;
+  params.sm90_layout = sm90_layout;
   check_cuda(ai8::launch_quantize_per_token(params, stream), "launching quantize_per_token");
   return out;
-}
-
-// V^T tiles [B, H, seqlen_pad / 64, D, 64] for the sm90 kernel (see launch_transpose_v).
-at::Tensor transpose_v(const at::Tensor& v, Layout layout, int64_t seqlen_pad, cudaStream_t stream) {
-  const Shape s = shape_of(v, layout);
-  at::Tensor v_t = at::empty({s.batch, s.heads, seqlen_pad / 64, s.head_dim, 64}, v.options());
-  ai8::TransposeParams params{};
-  params.v = v.data_ptr();
-  params.v_view = view_of(v, layout);
-  params.v_t = v_t.data_ptr();
-  params.batch = static_cast<int>(s.batch);
-  params.heads = static_cast<int>(s.heads);
-  params.seqlen = static_cast<int>(s.seqlen);
-  params.seqlen_pad = static_cast<int>(seqlen_pad);
-  params.head_dim = static_cast<int>(s.head_dim);
-  check_cuda(ai8::launch_transpose_v(params, stream), "launching transpose_v");
-  return v_t;
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -208,10 +193,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const bool lse_shift = with_lse && k_mean.has_value();
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
   const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream,
-                                     lse_shift ? k_mean : std::nullopt, /*swizzle_128b=*/sm90);
-  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream, std::nullopt, /*swizzle_128b=*/sm90);
-  const at::Tensor v_rows = sm90 ? v : v_with_aligned_rows(v, layout);
-  const at::Tensor v_t = sm90 ? transpose_v(v, layout, k_q.values.size(2), stream) : at::Tensor();
+                                     lse_shift ? k_mean : std::nullopt, /*sm90_layout=*/sm90);
+  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90);
+  const at::Tensor v_rows = v_for_kernel(v, layout, sm90);
 
   ai8::AttentionParams params{};
   params.q = q_q.values.data_ptr<int8_t>();
@@ -220,7 +204,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.k_scale = k_q.scales.data_ptr<float>();
   params.v = v_rows.data_ptr();
   params.v_view = view_of(v_rows, layout);
-  params.v_t = sm90 ? v_t.data_ptr() : nullptr;
   params.o = out.data_ptr();
   params.o_view = view_of(out, layout);
   params.lse = with_lse ? lse.data_ptr<float>() : nullptr;
@@ -233,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
   params.head_dim = static_cast<int>(sq.head_dim);
   params.causal = is_causal;
+  params.sm90 = sm90;
   params.dtype = elem_type_of(q);
   check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
   if (lse_shift) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
