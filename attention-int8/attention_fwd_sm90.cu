@@ -22,8 +22,8 @@
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
 #include "ptx.cuh"
+#include "quant_math.cuh"
 #include "sm90_pipeline.cuh"
-#include "swizzle.cuh"
 #include "wgmma.cuh"
 
 namespace attention_int8 {
@@ -31,7 +31,6 @@ namespace {
 
 template <typename Traits>
 struct Sm90Smem {
-  char* q;
   char* stage_base;
   uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
@@ -41,7 +40,6 @@ struct Sm90Smem {
   __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
   __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
   __device__ uint64_t* v_empty(int stage) const { return barriers + 3 * Traits::kStages + stage; }
-  __device__ uint64_t* q_full() const { return barriers + 4 * Traits::kStages; }
 };
 
 // Accumulator register i of an m64nN fragment: which of the thread's two rows, and which column (wgmma.cuh).
@@ -81,14 +79,91 @@ __device__ __forceinline__ int stage_of(int n_block) { return n_block % Traits::
 template <typename Traits>
 __device__ __forceinline__ uint32_t phase_of(int n_block) { return (n_block / Traits::kStages) & 1; }
 
-// The producer: one thread issues every copy of the CTA (Q once, then K + scales and V per tile).
+// A consumer's share of its warpgroup's 64 Q rows, quantized per token in registers with the
+// quantizer's arithmetic (quant_math.cuh) straight into the s8 wgmma's A fragments, where Q stays for
+// the whole key loop: the tensor cores then read only K and V from shared memory. Thread (group, tig)
+// of a warp holds rows group and group + 8 and, of each k32 step, the 4 bytes at 4 tig and at 16 + 4 tig:
+// a quarter of each row, so a row's amax is a max over its quad.
 template <typename Traits>
-__device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* q_tile, const int8_t* k_head,
+struct QFragments {
+  uint32_t a[Traits::kQKSteps][4];
+  float scale[2];     // per row, includes sm_scale * log2(e)
+  float mean_dot[2];  // q_row . k_mean (the LSE's smoothing shift); 0 without p.k_mean
+};
+
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) { return __half22float2(*reinterpret_cast<__half2*>(&bits)); }
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
+}
+
+template <typename Traits>
+__device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionParams& p, int batch, int head, int head_kv,
+                                                              const int (&rows)[2], int tig) {
+  using Elem = typename Traits::Elem;
+  constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
+  const Elem* q_head = static_cast<const Elem*>(p.q_input) + batch * p.q_view.batch_stride + head * p.q_view.head_stride;
+  // x[r][8 ks + 4 half + e] = Q[rows[r]][32 ks + 16 half + 4 tig + e]; rows past seqlen_q are zeros.
+  float x[2][kPerRow];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 4 * tig;
+#pragma unroll
+    for (int c = 0; c < 2 * kSteps; ++c) {
+      const uint2 bits = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint2*>(row + 16 * c) : make_uint2(0, 0);
+      const float2 lo = to_float2(bits.x, Elem{}), hi = to_float2(bits.y, Elem{});
+      x[r][4 * c] = lo.x, x[r][4 * c + 1] = lo.y, x[r][4 * c + 2] = hi.x, x[r][4 * c + 3] = hi.y;
+    }
+  }
+  QFragments<Traits> q;
+  float inv_scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < kPerRow; ++i) {
+      amax = fmaxf(amax, fabsf(x[r][i]));
+      finite = finite && isfinite(x[r][i]);
+    }
+#pragma unroll
+    for (int lanes = 1; lanes <= 2; lanes *= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, lanes));
+      finite = __shfl_xor_sync(0xffffffffu, int(finite), lanes) && finite;
+    }
+    inv_scale[r] = quant::inv_scale_of(amax);
+    q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
+    q.mean_dot[r] = 0.f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
+      const float* src = &x[j % 2][8 * ks + 4 * (j / 2)];
+      uint32_t packed = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) packed |= uint32_t(uint8_t(quant::quantize(src[e], inv_scale[j % 2]))) << (8 * e);
+      q.a[ks][j] = packed;
+    }
+  if (p.lse != nullptr && p.k_mean != nullptr) {
+    const float* mean = p.k_mean + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPerRow; ++i) dot += x[r][i] * mean[16 * (i / 4) + i % 4];
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      q.mean_dot[r] = dot + __shfl_xor_sync(0xffffffffu, dot, 2);
+    }
+  }
+  return q;
+}
+
+// The producer: one thread issues every copy of the CTA (K + scales and V per tile).
+template <typename Traits>
+__device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
                                               const float* k_scale_head, const CUtensorMap* v_map, int head_kv,
                                               int batch, int n_blocks) {
   constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
-  sm90::mbarrier_arrive_expect_tx(smem.q_full(), Traits::kSmemQBytes);
-  sm90::bulk_copy_g2s(smem.q, q_tile, Traits::kSmemQBytes, smem.q_full());
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
@@ -121,9 +196,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // The swizzle atoms (at most 1024 bytes) are anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
   // rounding an integer address) keeps the pointers visibly in shared memory: LDS, not generic loads.
   char* smem_base = smem_raw + (1024 - sm90::smem_addr(smem_raw) % 1024) % 1024;
-  char* stage_base = smem_base + Traits::kSmemQBytes;
-  const Sm90Smem<Traits> smem{smem_base, stage_base,
-                              reinterpret_cast<uint64_t*>(stage_base + Traits::kStages * Traits::kSmemStageBytes)};
+  const Sm90Smem<Traits> smem{smem_base,
+                              reinterpret_cast<uint64_t*>(smem_base + Traits::kStages * Traits::kSmemStageBytes)};
 
   const int tid = threadIdx.x, lane = tid % 32;
   // Broadcast from lane 0 so the compiler sees a warp-uniform value: wgmma under a branch it thinks
@@ -148,7 +222,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       sm90::mbarrier_init(smem.k_empty(s), Traits::kConsumerWarps);  // one arrival per consumer warp
       sm90::mbarrier_init(smem.v_empty(s), Traits::kConsumerWarps);
     }
-    sm90::mbarrier_init(smem.q_full(), 1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
@@ -156,8 +229,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (warpgroup == 0) {
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0)
-      produce_tiles<Traits>(smem, p.q + (bh_q * p.seqlen_q_pad + m0) * D, p.k + bh_kv * p.seqlen_kv_pad * D,
-                            p.k_scale + bh_kv * p.seqlen_kv_pad, &v_map, head_kv, batch, n_blocks);
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, p.k_scale + bh_kv * p.seqlen_kv_pad, &v_map,
+                            head_kv, batch, n_blocks);
     return;
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
@@ -165,30 +238,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
   // This thread's two rows (accumulator rows group and group + 8 of its warp).
-  int row_in_tile[2];
-  float q_scale[2], neg_magic_q_scale[2];  // see ptx::small_int_times
+  int rows[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_in_tile[r] = consumer * 64 + warp_in_group * 16 + group + 8 * r;
-    q_scale[r] = p.q_scale[bh_q * p.seqlen_q_pad + m0 + row_in_tile[r]];
-    neg_magic_q_scale[r] = -ptx::kSmallIntMagic * q_scale[r];
-  }
+  for (int r = 0; r < 2; ++r) rows[r] = m0 + consumer * 64 + warp_in_group * 16 + group + 8 * r;
+  const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head, head_kv, rows, tig);
+  float neg_magic_q_scale[2];  // see ptx::small_int_times
+#pragma unroll
+  for (int r = 0; r < 2; ++r) neg_magic_q_scale[r] = -ptx::kSmallIntMagic * q.scale[r];
   // Operand descriptors of stage 0; steps and stages are offsets from them.
   const uint64_t k_desc = wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0));
   const uint64_t v_desc = wgmma::make_desc<128>(smem.v(0), Traits::kSmemVBoxBytes, 8 * 128);
-
-  // This warpgroup's 64 Q rows stay in registers as wgmma A fragments (16 registers a thread): the
-  // tensor cores then read only K and V from shared memory, whose bandwidth three consumers stretch.
-  sm90::mbarrier_wait(smem.q_full(), 0);
-  uint32_t q_frag[Traits::kQKSteps][4];
-#pragma unroll
-  for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = consumer * 64 + warp_in_group * 16 + group + 8 * (j % 2), byte = ks * 32 + 16 * (j / 2) + 4 * tig;
-      q_frag[ks][j] =
-          *reinterpret_cast<const uint32_t*>(smem.q + swizzle::offset<Traits::kQKRowBytes>(row, byte / 16) + byte % 16);
-    }
 
   float o_acc[kORegs];
 #pragma unroll
@@ -232,7 +291,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint64_t k_stage_desc = wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes);
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<BN>(s_int, q_frag[ks], wgmma::advance_desc(k_stage_desc, ks * 32), ks);
+      wgmma::mma_qk_s8<BN>(s_int, q.a[ks], wgmma::advance_desc(k_stage_desc, ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
     sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
@@ -252,10 +311,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * c + e;
-        const float s_q = ptx::small_int_times(s_int[i], q_scale[row_of(i)], neg_magic_q_scale[row_of(i)]);
+        const float s_q = ptx::small_int_times(s_int[i], q.scale[row_of(i)], neg_magic_q_scale[row_of(i)]);
         s[i] = s_q * (e % 2 ? ks.y : ks.x);
         if constexpr (kMasked) {
-          const int key = n_block * BN + col_of(i), row = m0 + row_in_tile[row_of(i)];
+          const int key = n_block * BN + col_of(i), row = rows[row_of(i)];
           if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
         }
       }
@@ -346,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
-    const int row = m0 + row_in_tile[r];
+    const int row = rows[r];
     if (row >= p.seqlen_q) continue;
     Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
 #pragma unroll
@@ -355,7 +414,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
     if (p.lse != nullptr && tig == 0)
-      p.lse[bh_q * p.seqlen_q + row] = sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2;
+      p.lse[bh_q * p.seqlen_q + row] = sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + p.sm_scale * q.mean_dot[r];
   }
 #else
   __trap();  // only the sm_90a build has wgmma; the host launches this kernel only on compute capability 9.0

@@ -13,10 +13,10 @@ namespace attention_int8 {
 
 enum class ElemType { kFloat16, kBFloat16 };
 
-// Row padding of the quantized workspaces, which the binding allocates. Every kernel's query tile
-// equals kQueryPad and every key tile divides kKeyPad (kernel_traits.cuh static_asserts both), so
-// the kernels read whole tiles of Q and K without bounds checks.
-constexpr int kQueryPad = 384;  // the sm90 kernel's 192-row and the portable kernel's 128-row query tiles
+// Row padding of the quantized workspaces, which the binding allocates. The portable kernel's query
+// tile divides kQueryPad and every key tile divides kKeyPad (kernel_traits.cuh static_asserts both),
+// so the kernels read whole tiles of Q and K without bounds checks. (The sm90 kernel reads Q unquantized.)
+constexpr int kQueryPad = 128;
 constexpr int kKeyPad = 128;
 
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
@@ -59,25 +59,49 @@ struct QuantizeParams {
   bool sm90_layout;
 };
 
-// O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. Q/K come from the quantizer
-// above (dense, padded); V and O are read/written through strides. Causal masking is bottom-right
-// aligned: query i sees key j iff j <= i + (seqlen_kv - seqlen_q).
+// O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. K comes from the quantizer above
+// (dense, padded); V and O are read/written through strides. Causal masking is bottom-right aligned:
+// query i sees key j iff j <= i + (seqlen_kv - seqlen_q).
+// Q: the portable kernel reads it quantized (q, q_scale); the sm90 kernel quantizes its Q tile itself,
+// with the same arithmetic (quant_math.cuh), from q_input.
 struct AttentionParams {
-  const int8_t* q;      // [B, Hq,  seqlen_q_pad,  D]
-  const int8_t* k;      // [B, Hkv, seqlen_kv_pad, D]
-  const float* q_scale; // [B, Hq,  seqlen_q_pad], includes sm_scale * log2(e)
-  const float* k_scale; // [B, Hkv, seqlen_kv_pad]
-  const void* v;        // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
+  const int8_t* q;        // portable: [B, Hq, seqlen_q_pad, D] from the quantizer
+  const float* q_scale;   // portable: [B, Hq, seqlen_q_pad], includes sm_scale * log2(e)
+  const void* q_input;    // sm90: Q as given; base and strides 16-byte aligned
+  RowMajorView q_view;
+  float q_out_scale;      // sm90: sm_scale * log2(e), the quantizer's out_scale for Q
+  const int8_t* k;        // [B, Hkv, seqlen_kv_pad, D]
+  const float* k_scale;   // [B, Hkv, seqlen_kv_pad]
+  const void* v;          // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
   RowMajorView v_view;
   void* o;
   RowMajorView o_view;
-  float* lse;           // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
+  float* lse;             // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
+  // sm90, with lse: K's token mean [B, Hkv, D] fp32 when K was smoothed (else nullptr); the kernel adds
+  // the shift sm_scale * (q_i . k_mean) that smoothing took out of row i's logits back to its LSE.
+  const float* k_mean;
+  float sm_scale;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
-  bool sm90;            // Q and K quantized with sm90_layout: run the Hopper kernel
+  bool sm90;              // K quantized with sm90_layout, Q in q_input: run the Hopper kernel
   ElemType dtype;
 };
 
+// K's token mean for smoothing, mean[b, h, :] = sum_n x[b, h, n, :] / seqlen: summed in fp64 and
+// rounded once to fp32. The fp64 sum is exact whenever the values' exponents span fewer than
+// 53 - 11 - log2(seqlen) binades (any fp16 input up to 8192 rows, any ordinarily ranged data), so it
+// does not depend on the summation order, and reference.py reproduces it with x.double().mean(). Two launches: fp64 sums of `chunks` blocks of rows_per_chunk rows per head (more
+// blocks than heads keep the GPU busy), then their total in a fixed order.
+struct TokenMeanParams {
+  const void* x;
+  RowMajorView x_view;
+  double* partials;  // workspace [B, H, chunks, D]
+  float* mean;       // [B, H, D]
+  int batch, heads, seqlen, head_dim, chunks, rows_per_chunk;
+  ElemType dtype;
+};
+
+cudaError_t launch_token_mean(const TokenMeanParams& params, cudaStream_t stream);
 cudaError_t launch_quantize_per_token(const QuantizeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);

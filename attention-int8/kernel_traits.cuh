@@ -53,14 +53,13 @@ struct AttentionKernelTraits {
   static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes + kSmemKScaleBytes;
   static constexpr int kSmemBytes = kSmemQBytes + kStages * kSmemStageBytes;
   static_assert(kSmemStageBytes % 16 == 0 && kSmemQBytes % 16 == 0, "cp.async needs 16-byte aligned stages");
-
 };
 
 // Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
-// Q, K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
-// kBlockN keys. Q and K arrive as INT8 rows of D bytes already in the K-major swizzled order of
-// swizzle.cuh (the quantizer writes it), so each is one contiguous bulk copy; V is read from the
-// user's tensor by TMA, which swizzles it into boxes of 64 keys x 64 channels (128 B per key) that
+// K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
+// kBlockN keys; each consumer quantizes its own Q rows into registers. K arrives as INT8 rows of D
+// bytes already in the K-major swizzled order of swizzle.cuh (the quantizer writes it), so a tile is
+// one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of 64 keys x 64 channels (128 B per key) that
 // the P.V wgmma reads MN-major (wgmma.cuh).
 //
 // Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
@@ -74,7 +73,6 @@ struct Sm90AttentionKernelTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "an INT8 row must be one 64- or 128-byte swizzle row");
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kBlockM = 64 * kConsumers;
-  static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static constexpr int kThreads = (1 + kConsumers) * 128;
@@ -86,7 +84,7 @@ struct Sm90AttentionKernelTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static constexpr int kStages = kStages_;
 
-  static constexpr int kQKRowBytes = kHeadDim;   // INT8 Q/K rows: the K-major swizzle width
+  static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
   static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;   // k16 wgmma steps for O += P V
   static constexpr int kSAccRegs = kBlockN / 2;   // m64 x kBlockN accumulator registers per thread
@@ -98,16 +96,14 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kVBoxes = kHeadDim / kVBoxChannels;
   static constexpr int kSmemVBoxBytes = kBlockN * 128;
 
-  static constexpr int kSmemQBytes = kBlockM * kQKRowBytes;
   static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
   static constexpr int kSmemVBytes = kVBoxes * kSmemVBoxBytes;
   static constexpr int kSmemKScaleBytes = kBlockN * 4;
-  static_assert(kSmemQBytes % 1024 == 0 && kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
+  static_assert(kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
   static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
-  // Barriers: full/empty for K (with its scales) and for V per stage, and one for Q.
-  static constexpr int kBarriers = 4 * kStages + 1;
-  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemQBytes + kStages * kSmemStageBytes +
-                                    kBarriers * 8;
+  // Barriers: full/empty for K (with its scales) and for V per stage.
+  static constexpr int kBarriers = 4 * kStages;
+  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kStages * kSmemStageBytes + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");
 };
 

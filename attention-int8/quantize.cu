@@ -1,9 +1,6 @@
-// Per-token symmetric INT8 quantization of Q and K (see QuantizeParams in attention_int8.h).
-//
-// Why per token: the logit S[i,j] = q_i . k_j is then dequantized with exactly the scales of the two
-// rows it came from, s_q[i] * s_k[j], so no tile ever mixes scales (the original kernel's bug), and one
-// outlier token costs precision only in its own row. Why symmetric [-127, 127]: zero maps to zero and
-// the range is the same on both sides, so x_q * scale is an unbiased reconstruction.
+// Per-token symmetric INT8 quantization of Q and K (see QuantizeParams in attention_int8.h; the
+// arithmetic, and why per token, in quant_math.cuh). Per-token scales are what fixed the original
+// kernel's bug: no tile mixes the scales of different rows.
 // K arrives with its token mean subtracted (smoothing): channel-wise offsets shared by all keys would
 // otherwise dominate amax and leave few INT8 levels for the part of K that differs between keys.
 #include <cmath>
@@ -11,6 +8,7 @@
 
 #include "attention_int8.h"
 #include "dispatch.cuh"
+#include "quant_math.cuh"
 #include "swizzle.cuh"
 
 namespace attention_int8 {
@@ -20,6 +18,7 @@ constexpr int kQuantWarps = 8;
 constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16-byte load
 constexpr int kRowIters = 4;    // row groups per warp
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMeanThreads = 256;
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
 // end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
@@ -34,10 +33,6 @@ struct QuantRowShape {
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-// Scales keep 22 significant bits (round half up on the low 2 of fp32's 24; a relative change below
-// 2^-22): the sm90 kernel then dequantizes S * q_scale exactly with one FFMA (ptx::small_int_times).
-__device__ __forceinline__ float round_to_22_bits(float scale) { return __uint_as_float((__float_as_uint(scale) + 2u) & ~3u); }
 
 // Reduction over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
 template <int kLanes, typename T, typename Op>
@@ -65,17 +60,26 @@ __device__ __forceinline__ RowChunk locate(const QuantizeParams& p, int n, int c
   return r;
 }
 
+// Element `chunk * 8` of row n of head (b, h) of a strided [B, H, N, D] tensor.
 template <typename Elem>
-__device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
-  if (!r.has_data) return;
-  const Elem* x = static_cast<const Elem*>(p.x) + r.b * p.x_view.batch_stride + r.h * p.x_view.head_stride +
-                  int64_t(r.n) * p.x_view.row_stride + chunk * kChunkElems;
+__device__ __forceinline__ const Elem* chunk_ptr(const void* base, const RowMajorView& view, int b, int h, int n, int chunk) {
+  return static_cast<const Elem*>(base) + b * view.batch_stride + h * view.head_stride + int64_t(n) * view.row_stride +
+         chunk * kChunkElems;
+}
+
+template <typename Elem>
+__device__ __forceinline__ void load8(const Elem* x, Elem (&e8)[kChunkElems]) {
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
   } else {  // a strided view whose rows are not 16-byte aligned
 #pragma unroll
     for (int e = 0; e < kChunkElems; ++e) e8[e] = x[e];
   }
+}
+
+template <typename Elem>
+__device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
+  if (r.has_data) load8(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
 }
 
 // Quantizes the lane group's row from the loaded chunk. Every lane takes part (warp-wide shuffles).
@@ -113,18 +117,16 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
   finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
   if (!r.active) return;
 
-  // IEEE fp32 division and round-half-even: the PyTorch reference reproduces these bit for bit.
-  const float inv_scale = amax > 0.f ? 127.f / amax : 0.f;
+  const float inv_scale = quant::inv_scale_of(amax);
   alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) q8[e] = static_cast<int8_t>(max(-127, min(127, __float2int_rn(v[e] * inv_scale))));
+  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(v[e], inv_scale);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
-  // A non-finite input poisons the row's scale so NaN reaches the output instead of being clamped away.
-  if (chunk == 0) p.scale[r.row] = finite ? round_to_22_bits(amax / 127.f * p.out_scale) : NAN;
+  if (chunk == 0) p.scale[r.row] = quant::scale_of(amax, p.out_scale, finite);
 }
 
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
@@ -145,7 +147,62 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
   for (int it = 0; it < kRowIters; ++it) quantize_chunk<kHeadDim>(p, rows[it], chunk, e8[it]);
 }
 
+// Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
+// row group per kLanes lanes, then adds the row groups' sums in a fixed order through shared memory.
+template <int kHeadDim, typename Elem>
+__global__ void __launch_bounds__(kMeanThreads) token_sum_partials_kernel(const TokenMeanParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  constexpr int kRowGroups = kMeanThreads / Shape::kLanes;
+  const int b = blockIdx.z, h = blockIdx.y, lane_chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
+  const int n_begin = blockIdx.x * p.rows_per_chunk, n_end = min(p.seqlen, n_begin + p.rows_per_chunk);
+  double sum[kChunkElems] = {};
+  if (lane_chunk < Shape::kChunks) {
+    for (int n = n_begin + group; n < n_end; n += kRowGroups) {
+      alignas(16) Elem e8[kChunkElems];
+      load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n, lane_chunk), e8);
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) sum[e] += to_float(e8[e]);
+    }
+  }
+  __shared__ double group_sums[kRowGroups][kHeadDim];
+  if (lane_chunk < Shape::kChunks) {
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) group_sums[group][lane_chunk * kChunkElems + e] = sum[e];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < kHeadDim; d += kMeanThreads) {
+    double total = 0.0;
+    for (int g = 0; g < kRowGroups; ++g) total += group_sums[g][d];
+    p.partials[((int64_t(b) * p.heads + h) * gridDim.x + blockIdx.x) * kHeadDim + d] = total;
+  }
+}
+
+// Token mean, pass 2: one thread per channel adds the chunks' sums in order, divides, rounds once.
+__global__ void token_mean_finish_kernel(const TokenMeanParams p) {
+  const int64_t bh = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+  const int d = threadIdx.x;
+  double total = 0.0;
+  for (int c = 0; c < p.chunks; ++c) total += p.partials[(bh * p.chunks + c) * p.head_dim + d];
+  p.mean[bh * p.head_dim + d] = __double2float_rn(total / p.seqlen);
+}
+
 }  // namespace
+
+cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
+  if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0 || p.chunks < 1) return cudaErrorInvalidValue;
+  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
+  if (int64_t(p.rows_per_chunk) * p.chunks < p.seqlen) return cudaErrorInvalidValue;
+  const cudaError_t err = dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    return dispatch_elem(p.dtype, [&](auto elem) {
+      token_sum_partials_kernel<decltype(head_dim)::value, decltype(elem)>
+          <<<dim3(p.chunks, p.heads, p.batch), kMeanThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    });
+  });
+  if (err != cudaSuccess) return err;
+  token_mean_finish_kernel<<<dim3(1, p.heads, p.batch), p.head_dim, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;

@@ -5,10 +5,12 @@
 #include "torch_binding.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -103,16 +105,16 @@ void check_sizes(const Shape& s, const char* name) {
 
 int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 
-// The portable kernel streams V rows with 16-byte cp.async copies, the sm90 kernel reads V by TMA:
-// V's base and row/head/batch strides must be 16-byte aligned, and TMA also takes no zero stride (an
-// expanded tensor). Anything else is copied once into a dense tensor (documented cost).
-at::Tensor v_for_kernel(const at::Tensor& v, Layout layout, bool sm90) {
-  const int64_t align = 16 / v.element_size();
-  const auto view = view_of(v, layout);
-  bool usable = reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
+// The kernels read V (and the sm90 kernel Q) in place with 16-byte or vector accesses, and the sm90
+// kernel V by TMA: base and row/head/batch strides must be 16-byte aligned, and TMA also takes no zero
+// stride (an expanded tensor). Anything else is copied once into a dense tensor (documented cost).
+at::Tensor readable_in_place(const at::Tensor& x, Layout layout, bool sm90) {
+  const int64_t align = 16 / x.element_size();
+  const auto view = view_of(x, layout);
+  bool usable = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
                 view.head_stride % align == 0 && view.row_stride % align == 0;
   if (sm90) usable = usable && view.batch_stride > 0 && view.head_stride > 0 && view.row_stride > 0;
-  return usable ? v : at::empty_like(v, at::MemoryFormat::Contiguous).copy_(v);
+  return usable ? x : at::empty_like(x, at::MemoryFormat::Contiguous).copy_(x);
 }
 
 struct QuantizedRows {
@@ -153,6 +155,31 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   return out;
 }
 
+// K's token mean [B, H, D] fp32 (launch_token_mean), with about two blocks of rows per SM.
+at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
+  const Shape s = shape_of(x, layout);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = std::clamp<int64_t>((2 * sms + s.batch * s.heads - 1) / (s.batch * s.heads), 1, 64);
+  const int64_t rows_per_chunk = round_up((s.seqlen + wanted - 1) / wanted, 64);
+  const int64_t chunks = (s.seqlen + rows_per_chunk - 1) / rows_per_chunk;
+  at::Tensor partials = at::empty({s.batch, s.heads, chunks, s.head_dim}, x.options().dtype(at::kDouble));
+  at::Tensor mean = at::empty({s.batch, s.heads, s.head_dim}, x.options().dtype(at::kFloat));
+  ai8::TokenMeanParams params{};
+  params.x = x.data_ptr();
+  params.x_view = view_of(x, layout);
+  params.partials = partials.data_ptr<double>();
+  params.mean = mean.data_ptr<float>();
+  params.batch = static_cast<int>(s.batch);
+  params.heads = static_cast<int>(s.heads);
+  params.seqlen = static_cast<int>(s.seqlen);
+  params.head_dim = static_cast<int>(s.head_dim);
+  params.chunks = static_cast<int>(chunks);
+  params.rows_per_chunk = static_cast<int>(rows_per_chunk);
+  params.dtype = elem_type_of(x);
+  check_cuda(ai8::launch_token_mean(params, stream), "launching token_mean");
+  return mean;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      bool is_causal, std::optional<double> sm_scale,
                                                      c10::string_view tensor_layout, bool smooth_k, bool with_lse) {
@@ -187,20 +214,33 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
   // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
   std::optional<at::Tensor> k_mean;
-  if (smooth_k && sk.seqlen > 0) k_mean = at::mean(k, {seq_axis(layout)}, /*keepdim=*/false, at::kFloat).contiguous();
+  if (smooth_k && sk.seqlen > 0) k_mean = token_mean(k, layout, stream);
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
-  // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back.
+  // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back
+  // (the sm90 kernel does it itself, the portable path from the quantizer's row_dot).
   const bool lse_shift = with_lse && k_mean.has_value();
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
-  const QuantizedRows q_q = quantize(q, layout, std::nullopt, scale * kLog2e, ai8::kQueryPad, stream,
-                                     lse_shift ? k_mean : std::nullopt, /*sm90_layout=*/sm90);
+  const double q_out_scale = scale * kLog2e;
   const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90);
-  const at::Tensor v_rows = v_for_kernel(v, layout, sm90);
+  const at::Tensor v_rows = readable_in_place(v, layout, sm90);
 
   ai8::AttentionParams params{};
-  params.q = q_q.values.data_ptr<int8_t>();
+  QuantizedRows q_q;
+  at::Tensor q_rows;
+  if (sm90) {  // the kernel quantizes its Q tiles itself
+    q_rows = readable_in_place(q, layout, sm90);
+    params.q_input = q_rows.data_ptr();
+    params.q_view = view_of(q_rows, layout);
+    params.q_out_scale = static_cast<float>(q_out_scale);
+    params.k_mean = lse_shift ? k_mean->data_ptr<float>() : nullptr;
+    params.sm_scale = static_cast<float>(scale);
+  } else {
+    q_q = quantize(q, layout, std::nullopt, q_out_scale, ai8::kQueryPad, stream, lse_shift ? k_mean : std::nullopt);
+    params.q = q_q.values.data_ptr<int8_t>();
+    params.q_scale = q_q.scales.data_ptr<float>();
+    params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
+  }
   params.k = k_q.values.data_ptr<int8_t>();
-  params.q_scale = q_q.scales.data_ptr<float>();
   params.k_scale = k_q.scales.data_ptr<float>();
   params.v = v_rows.data_ptr();
   params.v_view = view_of(v_rows, layout);
@@ -212,14 +252,13 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.heads_kv = static_cast<int>(sk.heads);
   params.seqlen_q = static_cast<int>(sq.seqlen);
   params.seqlen_kv = static_cast<int>(sk.seqlen);
-  params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
   params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
   params.head_dim = static_cast<int>(sq.head_dim);
   params.causal = is_causal;
   params.sm90 = sm90;
   params.dtype = elem_type_of(q);
   check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
-  if (lse_shift) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
+  if (lse_shift && !sm90) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
   return {out, lse};
 }
 

@@ -2,9 +2,10 @@
 
 The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
 
-1. K smoothing (``smooth_k``): ``K' = K - mean_tokens(K)`` in fp32. Every logit of a query row moves by
-   the same constant ``q . mean(K)``, so the softmax is unchanged, but channel offsets shared by all keys
-   no longer eat the INT8 range.
+1. K smoothing (``smooth_k``): ``K' = K - mean_tokens(K)`` in fp32, the mean summed in fp64 (exact, so
+   independent of the summation order, for any fp16 input up to 8192 tokens) and rounded once to fp32.
+   Every logit of a query row moves by the same constant ``q . mean(K)``, so the softmax is unchanged,
+   but channel offsets shared by all keys no longer eat the INT8 range.
 2. Per-token symmetric INT8 in fp32: ``amax = max_d |x|``, ``x_q = round_half_even(x * (127 / amax))``
    (the fp32 quotient first, then the product), clamped to [-127, 127];
    ``scale = amax / 127 * out_scale`` rounded to 22 significant bits. ``amax == 0`` gives ``x_q = 0,
@@ -118,7 +119,7 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
     batch, heads_q, seqlen_q, _ = q.shape
     seqlen_kv = k.shape[2]
-    k_mean = k.float().mean(dim=-2) if smooth_k and seqlen_kv > 0 else None
+    k_mean = k.double().mean(dim=-2).float() if smooth_k and seqlen_kv > 0 else None
     q_q, q_scale = quantize_per_token(q, out_scale=sm_scale * LOG2E)
     k_q, k_scale = quantize_per_token(k, k_mean)
     # |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them
