@@ -5,7 +5,8 @@
 //                   is the A-register layout), V read transposed (MN-major) from shared memory.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
-// consumer warpgroups own 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup does its softmax:
+// consumer warpgroups own 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup
+// does its softmax:
 //  - inside a warpgroup, the softmax of tile j runs while the P.V wgmma of tile j - 1 computes;
 //  - across warpgroups, named barriers make the consumers take turns issuing their wgmmas (round robin),
 //    so one warpgroup's softmax runs under the others' matrix products instead of all doing softmax at
@@ -91,7 +92,9 @@ struct QFragments {
   float mean_dot[2];  // q_row . k_mean (the LSE's smoothing shift); 0 without p.k_mean
 };
 
-__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) { return __half22float2(*reinterpret_cast<__half2*>(&bits)); }
+__device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
+  return __half22float2(*reinterpret_cast<__half2*>(&bits));
+}
 __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
 }
@@ -414,7 +417,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
     if (p.lse != nullptr && tig == 0)
-      p.lse[bh_q * p.seqlen_q + row] = sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + p.sm_scale * q.mean_dot[r];
+      p.lse[bh_q * p.seqlen_q + row] =
+          sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + p.sm_scale * q.mean_dot[r];
   }
 #else
   __trap();  // only the sm_90a build has wgmma; the host launches this kernel only on compute capability 9.0

@@ -90,8 +90,9 @@ struct AttentionParams {
 // K's token mean for smoothing, mean[b, h, :] = sum_n x[b, h, n, :] / seqlen: summed in fp64 and
 // rounded once to fp32. The fp64 sum is exact whenever the values' exponents span fewer than
 // 53 - 11 - log2(seqlen) binades (any fp16 input up to 8192 rows, any ordinarily ranged data), so it
-// does not depend on the summation order, and reference.py reproduces it with x.double().mean(). Two launches: fp64 sums of `chunks` blocks of rows_per_chunk rows per head (more
-// blocks than heads keep the GPU busy), then their total in a fixed order.
+// does not depend on the summation order, and reference.py reproduces it with x.double().mean().
+// Two launches: fp64 sums of `chunks` blocks of rows_per_chunk rows per head (more blocks than heads
+// keep the GPU busy), then their total in a fixed order.
 struct TokenMeanParams {
   const void* x;
   RowMajorView x_view;

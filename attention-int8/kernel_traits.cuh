@@ -59,8 +59,8 @@ struct AttentionKernelTraits {
 // K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
 // kBlockN keys; each consumer quantizes its own Q rows into registers. K arrives as INT8 rows of D
 // bytes already in the K-major swizzled order of swizzle.cuh (the quantizer writes it), so a tile is
-// one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of 64 keys x 64 channels (128 B per key) that
-// the P.V wgmma reads MN-major (wgmma.cuh).
+// one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of
+// 64 keys x 64 channels (128 B per key) that the P.V wgmma reads MN-major (wgmma.cuh).
 //
 // Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
