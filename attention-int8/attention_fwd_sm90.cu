@@ -469,7 +469,6 @@ cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
 }  // namespace
 
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if (!sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
     if constexpr (!sm90_kernel_supported(9, 0, D)) {

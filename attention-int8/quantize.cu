@@ -123,7 +123,7 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
   for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(v[e], inv_scale);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
-  if constexpr (kHeadDim == 64 || kHeadDim == 128)
+  if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   if (chunk == 0) p.scale[r.row] = quant::scale_of(amax, p.out_scale, finite);

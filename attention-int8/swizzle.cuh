@@ -1,6 +1,6 @@
-// The K-major swizzled shared-memory layout of Hopper's wgmma (and of TMA's swizzle modes), shared by
-// the quantizer, which writes INT8 Q/K rows in this order to global memory, and the Hopper kernel,
-// which copies them verbatim into shared memory and reads them there.
+// The K-major swizzled shared-memory layout of Hopper's wgmma (and of TMA's swizzle modes): the
+// quantizer writes INT8 K rows in this order to global memory, and the Hopper kernel copies them
+// verbatim into shared memory, where its wgmma descriptors (wgmma.cuh) expect this layout.
 //
 // A tile of rows whose K extent is kRowBytes (64 or 128) is stored row after row; the 16-byte chunk c
 // of row r sits at chunk position c ^ phase(r), where the phase cycles over the rows of one
@@ -17,11 +17,6 @@ template <int kRowBytes>
 __host__ __device__ __forceinline__ constexpr int chunk_position(int row, int chunk) {
   static_assert(kRowBytes == 64 || kRowBytes == 128, "wgmma's K-major swizzle atoms are 64 or 128 bytes wide here");
   return chunk ^ ((row * kRowBytes / 128) % (kRowBytes / 16));
-}
-
-template <int kRowBytes>
-__host__ __device__ __forceinline__ constexpr int offset(int row, int chunk) {
-  return row * kRowBytes + chunk_position<kRowBytes>(row, chunk) * 16;
 }
 
 }  // namespace swizzle
