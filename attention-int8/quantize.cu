@@ -19,6 +19,7 @@ constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16
 constexpr int kRowIters = 4;    // row groups per warp
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMeanThreads = 256;
+constexpr int kMeanRowsInFlight = 4;  // rows each lane loads before adding them
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
 // end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
@@ -157,11 +158,18 @@ __global__ void __launch_bounds__(kMeanThreads) token_sum_partials_kernel(const 
   const int n_begin = blockIdx.x * p.rows_per_chunk, n_end = min(p.seqlen, n_begin + p.rows_per_chunk);
   double sum[kChunkElems] = {};
   if (lane_chunk < Shape::kChunks) {
-    for (int n = n_begin + group; n < n_end; n += kRowGroups) {
-      alignas(16) Elem e8[kChunkElems];
-      load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n, lane_chunk), e8);
+    // kMeanRowsInFlight loads before the first add: a memory-bound loop needs the bytes in flight. The
+    // rows are still added one after the other, in order.
+    for (int n0 = n_begin + group; n0 < n_end; n0 += kMeanRowsInFlight * kRowGroups) {
+      alignas(16) Elem e8[kMeanRowsInFlight][kChunkElems];
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) sum[e] += to_float(e8[e]);
+      for (int u = 0; u < kMeanRowsInFlight; ++u)
+        if (n0 + u * kRowGroups < n_end) load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
+#pragma unroll
+      for (int u = 0; u < kMeanRowsInFlight; ++u)
+#pragma unroll
+        for (int e = 0; e < kChunkElems; ++e)
+          if (n0 + u * kRowGroups < n_end) sum[e] += to_float(e8[u][e]);
     }
   }
   __shared__ double group_sums[kRowGroups][kHeadDim];
