@@ -18,6 +18,7 @@
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
 #include "ptx.cuh"
+#include "quant_math.cuh"
 
 namespace attention_int8 {
 namespace {
@@ -50,23 +51,19 @@ struct SmemLayout {
   char* stage_base;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
-  __device__ char* k_scale(int stage) const { return v(stage) + Traits::kSmemVBytes; }  // kBlockN fp32
 };
 
-// Issues the cp.async copies of key tile `n_block` (int8 K, its scales, V) into `stage`.
+// Issues the cp.async copies of key tile `n_block` (int8 K, V) into `stage`.
 template <typename Traits>
 __device__ __forceinline__ void load_kv_tile_async(const SmemLayout<Traits>& smem, int stage, int n_block,
-                                                   const int8_t* k_head, const float* k_scale_head,
-                                                   const typename Traits::Elem* v_head, int64_t v_row_stride,
-                                                   int seqlen_kv, int tid) {
+                                                   const int8_t* k_head, const typename Traits::Elem* v_head,
+                                                   int64_t v_row_stride, int seqlen_kv, int tid) {
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, T = Traits::kThreads;
   const int n0 = n_block * BN;
-  // K and its scales are padded to a multiple of kKeyPad by the quantizer: no bounds to check.
+  // K is padded to a multiple of kKeyPad by the quantizer: no bounds to check.
   load_tile_async<BN, D, Traits::kQKRowBytes, T>(smem.k(stage), reinterpret_cast<const char*>(k_head + int64_t(n0) * D),
                                                  D, BN, tid);
-  load_tile_async<1, BN * 4, BN * 4, T>(smem.k_scale(stage), reinterpret_cast<const char*>(k_scale_head + n0), 0, 1,
-                                        tid);
   load_tile_async<BN, D * 2, Traits::kVRowBytes, T>(
       smem.v(stage), reinterpret_cast<const char*>(v_head + int64_t(n0) * v_row_stride),
       v_row_stride * int64_t(sizeof(Elem)), seqlen_kv - n0, tid);
@@ -91,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
   const int8_t* q_tile = p.q + (bh_q * p.seqlen_q_pad + m0) * D;
   const int8_t* k_head = p.k + bh_kv * p.seqlen_kv_pad * D;
-  const float* k_scale_head = p.k_scale + bh_kv * p.seqlen_kv_pad;
+  const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);
   const Elem* v_head = static_cast<const Elem*>(p.v) + batch * p.v_view.batch_stride + head_kv * p.v_view.head_stride;
 
   // Keys this CTA must visit: all of them, or under the causal mask up to the last key its last row sees.
@@ -103,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
   // Prologue: Q tile (group 0) and the first K/V tile (group 1) in flight together.
   load_tile_async<BM, D, Traits::kQKRowBytes, T>(smem.q, reinterpret_cast<const char*>(q_tile), D, BM, tid);
   ptx::cp_async_commit();
-  if (n_blocks > 0) load_kv_tile_async<Traits>(smem, 0, 0, k_head, k_scale_head, v_head, p.v_view.row_stride, p.seqlen_kv, tid);
+  if (n_blocks > 0) load_kv_tile_async<Traits>(smem, 0, 0, k_head, v_head, p.v_view.row_stride, p.seqlen_kv, tid);
   ptx::cp_async_commit();
   ptx::cp_async_wait<1>();
   __syncthreads();
@@ -137,9 +134,10 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
 
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = n_block % Traits::kStages;
+    const float k_scale = __ldg(k_scale_head + n_block * BN / kKeyScaleTokens);  // the tile's key block
     if (n_block + 1 < n_blocks)
-      load_kv_tile_async<Traits>(smem, stage ^ 1, n_block + 1, k_head, k_scale_head, v_head, p.v_view.row_stride,
-                                 p.seqlen_kv, tid);
+      load_kv_tile_async<Traits>(smem, stage ^ 1, n_block + 1, k_head, v_head, p.v_view.row_stride, p.seqlen_kv,
+                                 tid);
     ptx::cp_async_commit();  // possibly empty: keeps "all but the newest group" = this tile
     ptx::cp_async_wait<1>();
     __syncthreads();
@@ -176,20 +174,18 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
       }
     }
 
-    // Dequantize with the scales of the exact row and column each logit came from.
-    const float* k_scale = reinterpret_cast<const float*>(smem.k_scale(stage));
+    // Dequantize with the row's scale against the tile's key block (quant_math.cuh), exactly S * c.
     float s[MT][Traits::kSTiles][4];
 #pragma unroll
-    for (int t = 0; t < Traits::kSTiles; ++t) {
-      const float2 ks2 = *reinterpret_cast<const float2*>(k_scale + t * 8 + 2 * tig);
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int r = 0; r < 2; ++r) {
+        const float c = quant::logit_scale(q_scale[mt][r], k_scale), neg_magic_c = -ptx::kSmallIntMagic * c;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          s[mt][t][2 * r] = ptx::small_int_to_float(s_int[mt][t][2 * r]) * q_scale[mt][r] * ks2.x;
-          s[mt][t][2 * r + 1] = ptx::small_int_to_float(s_int[mt][t][2 * r + 1]) * q_scale[mt][r] * ks2.y;
-        }
-    }
+        for (int t = 0; t < Traits::kSTiles; ++t)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) s[mt][t][e] = ptx::small_int_times(s_int[mt][t][e], c, neg_magic_c);
+      }
 
     // Mask keys past the end and, under the causal mask, keys after the row's diagonal. Only tiles
     // that cross either boundary pay for it.

@@ -36,7 +36,6 @@ struct Sm90Smem {
   uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
-  __device__ char* k_scale(int stage) const { return v(stage) + Traits::kSmemVBytes; }
   __device__ uint64_t* k_full(int stage) const { return barriers + stage; }
   __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
   __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
@@ -48,18 +47,18 @@ __device__ __forceinline__ constexpr int row_of(int i) { return (i / 2) % 2; }
 __device__ __forceinline__ int col_of(int i) { return 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i % 2); }
 
 // v[c] = op(v[c], v[c + kWidth]) for c < kWidth, then the same on the first half, down to v[0].
-template <int kWidth, typename Op>
-__device__ __forceinline__ void fold_halves(float* v, Op op) {
+template <int kWidth, typename T, typename Op>
+__device__ __forceinline__ void fold_halves(T* v, Op op) {
 #pragma unroll
   for (int c = 0; c < kWidth; ++c) v[c] = op(v[c], v[c + kWidth]);
   if constexpr (kWidth > 1) fold_halves<kWidth / 2>(v, op);
 }
 
 // Reduces the accumulator registers of row r (2r + 4c and 2r + 4c + 1) of an m64nN fragment (N / 4 of them).
-template <int r, int kRegs, typename Op>
-__device__ __forceinline__ float reduce_row(const float (&s)[kRegs], Op op) {
+template <int r, int kRegs, typename T, typename Op>
+__device__ __forceinline__ T reduce_row(const T (&s)[kRegs], Op op) {
   constexpr int kPairs = kRegs / 4;
-  float v[kPairs];
+  T v[kPairs];
 #pragma unroll
   for (int c = 0; c < kPairs; ++c) v[c] = op(s[2 * r + 4 * c], s[2 * r + 4 * c + 1]);
   fold_halves<kPairs / 2>(v, op);
@@ -164,17 +163,15 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
 // The producer: one thread issues every copy of the CTA (K + scales and V per tile).
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
-                                              const float* k_scale_head, const CUtensorMap* v_map, int head_kv,
-                                              int batch, int n_blocks) {
+                                              const CUtensorMap* v_map, int head_kv, int batch, int n_blocks) {
   constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
     const int64_t n0 = int64_t(n_block) * BN;
     sm90::mbarrier_wait(smem.k_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes + Traits::kSmemKScaleBytes);
+    sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
-    sm90::bulk_copy_g2s(smem.k_scale(stage), k_scale_head + n0, Traits::kSmemKScaleBytes, smem.k_full(stage));
     // Keys past seqlen_kv arrive as zeros (P is 0 there, and 0 * garbage could be NaN). Full boxes
     // count towards the transaction bytes either way.
     sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
@@ -232,8 +229,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (warpgroup == 0) {
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0)
-      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, p.k_scale + bh_kv * p.seqlen_kv_pad, &v_map,
-                            head_kv, batch, n_blocks);
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, &v_map, head_kv, batch, n_blocks);
     return;
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
@@ -245,9 +241,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
   for (int r = 0; r < 2; ++r) rows[r] = m0 + consumer * 64 + warp_in_group * 16 + group + 8 * r;
   const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head, head_kv, rows, tig);
-  float neg_magic_q_scale[2];  // see ptx::small_int_times
-#pragma unroll
-  for (int r = 0; r < 2; ++r) neg_magic_q_scale[r] = -ptx::kSmallIntMagic * q.scale[r];
+  const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them.
   const uint64_t k_desc = wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0));
   const uint64_t v_desc = wgmma::make_desc<128>(smem.v(0), Traits::kSmemVBoxBytes, 8 * 128);
@@ -284,6 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   auto step = [&](int n_block, auto is_first, auto is_masked) {
     constexpr bool kFirst = decltype(is_first)::value, kMasked = decltype(is_masked)::value;
     const int stage = stage_of<Traits>(n_block);
+    const float k_scale = __ldg(k_scale_head + n_block);  // needed after the wgmma: its latency hides there
     sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
     if constexpr (!kFirst) wait_v(n_block - 1);
     sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
@@ -301,51 +296,58 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
-    // Dequantize with the scales of the exact row and column each logit came from, in the reference's
-    // order, (S * q_scale) * k_scale; the first product is one exact FFMA (ptx::small_int_times). The
-    // logit is rounded before the max is taken and exp2 gets l - m exactly: an exponent fused into one
-    // FMA would carry the product's rounding residual, up to an ulp of the logit (2^13 at the ~1e10
-    // logits of fp16 extremes), and could flush even the row max's P to 0.
-    const float2* k_scales = reinterpret_cast<const float2*>(smem.k_scale(stage)) + tig;
-    float s[kSRegs];
-#pragma unroll
-    for (int c = 0; c < kSRegs / 4; ++c) {
-      const float2 ks = k_scales[4 * c];  // columns 8c + 2 tig and 8c + 2 tig + 1
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * c + e;
-        const float s_q = ptx::small_int_times(s_int[i], q.scale[row_of(i)], neg_magic_q_scale[row_of(i)]);
-        s[i] = s_q * (e % 2 ? ks.y : ks.x);
-        if constexpr (kMasked) {
-          const int key = n_block * BN + col_of(i), row = rows[row_of(i)];
-          if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s[i] = -INFINITY;
-        }
-      }
-    }
-
     // Online softmax (base 2) with a lazy maximum: the running max m only moves when a tile's max exceeds
     // it by more than kRescaleSlack, so P = 2^(l - m) <= 2^kRescaleSlack stays well inside fp16/bf16 and
     // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
-    // P overwrites S.
+    // All logits a thread holds of one row share one scale c (the row's against this key block,
+    // quant_math.cuh), so the tile max is taken on the exact integers S, and each exponent is one FMA:
+    //   l - m = (S - S_max) * c + (t - m),   t = S_max * c (rounded) the tile max, the row's logit max here.
+    // S - S_max is exact (an integer add, then 1.5 * 2^23 + (S - S_max) is that float exactly, see
+    // ptx::small_int_times), and so is -1.5 * 2^23 * c; the FMA rounds once. At the tile holding the row's
+    // max, t - m = 0 and P of the max is exactly 1, even at the ~1e10 logits of fp16 extremes, where
+    // rounding the max's logit on its own would leave a residual of 2^13 in the exponent.
     // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
     // side: while the other warpgroups' wgmmas run, this warp is often its scheduler's only eligible one.
-    float tile_max[2], alpha[2], base[2];
-    auto fmax_op = [](float x, float y) { return fmaxf(x, y); };
-    tile_max[0] = reduce_row<0>(s, fmax_op);
-    tile_max[1] = reduce_row<1>(s, fmax_op);
+    constexpr int32_t kMaskedLogit = INT32_MIN;  // below any S; only the tile max sees it
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        const int key = n_block * BN + col_of(i), row = rows[row_of(i)];
+        if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s_int[i] = kMaskedLogit;
+      }
+    }
+    int32_t tile_max_int[2];
+    auto max_op = [](int32_t x, int32_t y) { return max(x, y); };
+    tile_max_int[0] = reduce_row<0>(s_int, max_op);
+    tile_max_int[1] = reduce_row<1>(s_int, max_op);
 #pragma unroll
     for (int lanes = 1; lanes <= 2; lanes *= 2)  // the 4 lanes of a quad share the rows
 #pragma unroll
-      for (int r = 0; r < 2; ++r) tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], lanes));
+      for (int r = 0; r < 2; ++r)
+        tile_max_int[r] = max(tile_max_int[r], __shfl_xor_sync(0xffffffffu, tile_max_int[r], lanes));
+    float c[2], bias[2], alpha[2];
+    uint32_t minus_max_bits[2];  // magic - S_max: S + this is the bit pattern of 1.5 * 2^23 + (S - S_max)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float m_new = tile_max[r] > row_max[r] + kRescaleSlack ? tile_max[r] : row_max[r];
-      base[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ptx::exp2_approx(row_max[r] - base[r]);
+      c[r] = quant::logit_scale(q.scale[r], k_scale);
+      const float neg_magic_c = -ptx::kSmallIntMagic * c[r];
+      const float tile_max =
+          tile_max_int[r] == kMaskedLogit ? -INFINITY : ptx::small_int_times(tile_max_int[r], c[r], neg_magic_c);
+      const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: 2^(-inf - 0) = 0, not NaN
+      alpha[r] = ptx::exp2_approx(row_max[r] - base);
       row_max[r] = m_new;
+      bias[r] = neg_magic_c + (tile_max - base);
+      minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
     }
+    // P overwrites S (masked keys: 0).
+    float s[kSRegs];
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) s[i] = ptx::exp2_approx(s[i] - base[row_of(i)]);
+    for (int i = 0; i < kSRegs; ++i) {
+      const int r = row_of(i);
+      s[i] = ptx::exp2_approx(fmaf(__uint_as_float(uint32_t(s_int[i]) + minus_max_bits[r]), c[r], bias[r]));
+      if constexpr (kMasked) s[i] = s_int[i] == kMaskedLogit ? 0.f : s[i];
+    }
     auto add_op = [](float x, float y) { return x + y; };
     row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
     row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
@@ -357,7 +359,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     wgmma::fence_operands(o_acc);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
-    release(smem.k_empty(stage));  // K and its scales are consumed
+    release(smem.k_empty(stage));  // K is consumed
     if constexpr (!kFirst) release(smem.v_empty(stage_of<Traits>(n_block - 1)));
     if constexpr (!kFirst) {  // on the first tile O is still 0
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {

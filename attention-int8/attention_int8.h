@@ -19,6 +19,11 @@ enum class ElemType { kFloat16, kBFloat16 };
 constexpr int kQueryPad = 128;
 constexpr int kKeyPad = 128;
 
+// K shares one scale per block of this many keys: both kernels' key tiles lie inside one block, so a
+// tile's logits of one query row share one dequantization scale (quant_math.cuh says why that matters).
+constexpr int kKeyScaleTokens = 64;
+static_assert(kKeyPad % kKeyScaleTokens == 0, "K's padding holds whole scale blocks");
+
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
 
 // The Hopper kernel (wgmma, built for sm_90a) serves head_dim 64 and 128 on compute capability 9.0:
@@ -34,11 +39,13 @@ struct RowMajorView {
   int64_t row_stride;
 };
 
-// Per-token symmetric INT8 quantization of Q (or K) read from the user's layout:
-//   x_q[b,h,n,:] = round(x[b,h,n,:] * 127 / amax),   scale[b,h,n] = amax / 127 * out_scale,
-// where amax = max_d |x[b,h,n,d] - mean[b,h,d]| (mean optional, the K smoothing).
-// Output is dense [B, H, n_pad, D] int8 and [B, H, n_pad] fp32; rows in [n, n_pad) are zero.
-// A row holding a non-finite value gets a NaN scale, so NaN propagates to the attention output.
+// Symmetric INT8 quantization of Q (or K) read from the user's layout, one scale per group of
+// `tokens_per_scale` consecutive tokens (1: per token, for Q; kKeyScaleTokens: per key block, for K):
+//   x_q[b,h,n,:] = round(x[b,h,n,:] * 127 / amax),   scale[b,h,n / tokens_per_scale] = amax / 127 * out_scale,
+// where amax = max |x[b,h,n',d] - mean[b,h,d]| over the group's tokens n' and all d (mean optional: the K
+// smoothing). Output is dense [B, H, n_pad, D] int8 and [B, H, ceil(n_pad / tokens_per_scale)] fp32;
+// rows in [n, n_pad) are zero (and so count as zeros in their group's amax). A group holding a non-finite
+// value gets a NaN scale, so NaN propagates to the attention output.
 struct QuantizeParams {
   const void* x;
   RowMajorView x_view;
@@ -51,6 +58,7 @@ struct QuantizeParams {
   int dot_head_group;
   float* row_dot;        // [B, H, seqlen_pad]
   int batch, heads, seqlen, seqlen_pad, head_dim;
+  int tokens_per_scale;  // 1 or kKeyScaleTokens
   float out_scale;
   ElemType dtype;
   // Head dims the sm90 kernel serves only: store each row's 16-byte chunks in the K-major swizzled
@@ -71,7 +79,7 @@ struct AttentionParams {
   RowMajorView q_view;
   float q_out_scale;      // sm90: sm_scale * log2(e), the quantizer's out_scale for Q
   const int8_t* k;        // [B, Hkv, seqlen_kv_pad, D]
-  const float* k_scale;   // [B, Hkv, seqlen_kv_pad]
+  const float* k_scale;   // [B, Hkv, seqlen_kv_pad / kKeyScaleTokens]
   const void* v;          // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
   RowMajorView v_view;
   void* o;
@@ -103,7 +111,7 @@ struct TokenMeanParams {
 };
 
 cudaError_t launch_token_mean(const TokenMeanParams& params, cudaStream_t stream);
-cudaError_t launch_quantize_per_token(const QuantizeParams& params, cudaStream_t stream);
+cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);

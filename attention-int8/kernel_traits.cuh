@@ -17,8 +17,9 @@ struct AttentionKernelTraits {
   static constexpr int kBlockM = 128;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
-  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::small_int_to_float");
+  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::small_int_times");
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
+  static_assert(kKeyScaleTokens % kBlockN == 0, "a key tile lies inside one K scale block");
 
   // Each warp owns kMTiles m16 tiles of query rows for the whole key loop: the softmax state of a
   // row never leaves its warp (a row lives in one quad of 4 lanes), and every K/V fragment a warp
@@ -49,8 +50,7 @@ struct AttentionKernelTraits {
   static constexpr int kSmemQBytes = kBlockM * kQKRowBytes;
   static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
   static constexpr int kSmemVBytes = kBlockN * kVRowBytes;
-  static constexpr int kSmemKScaleBytes = kBlockN * 4;
-  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes + kSmemKScaleBytes;
+  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes;
   static constexpr int kSmemBytes = kSmemQBytes + kStages * kSmemStageBytes;
   static_assert(kSmemStageBytes % 16 == 0 && kSmemQBytes % 16 == 0, "cp.async needs 16-byte aligned stages");
 };
@@ -75,6 +75,8 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
+  static_assert(kBlockN == kKeyScaleTokens, "a key tile is one K scale block");
+  static_assert(2 * kHeadDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::small_int_times");
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;
@@ -98,10 +100,10 @@ struct Sm90AttentionKernelTraits {
 
   static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
   static constexpr int kSmemVBytes = kVBoxes * kSmemVBoxBytes;
-  static constexpr int kSmemKScaleBytes = kBlockN * 4;
   static_assert(kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
-  static constexpr int kSmemStageBytes = (kSmemKBytes + kSmemVBytes + kSmemKScaleBytes + 1023) / 1024 * 1024;
-  // Barriers: full/empty for K (with its scales) and for V per stage.
+  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes;
+  static_assert(kSmemStageBytes % 1024 == 0, "stages start on 1024-byte swizzle atoms");
+  // Barriers: full/empty for K and for V per stage.
   static constexpr int kBarriers = 4 * kStages;
   static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kStages * kSmemStageBytes + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");

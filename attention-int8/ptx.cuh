@@ -90,13 +90,9 @@ __device__ __forceinline__ void mma_f32_16816<__nv_bfloat16>(float (&d)[4], cons
 constexpr int32_t kSmallIntMagicBits = 0x4B400000;  // 12582912.0f = 1.5 * 2^23
 constexpr float kSmallIntMagic = 12582912.0f;
 
-__device__ __forceinline__ float small_int_to_float(int32_t x) {
-  return __int_as_float(kSmallIntMagicBits + x) - kSmallIntMagic;
-}
-
 // round(x * scale) in one integer add and one FFMA: (1.5 * 2^23 + x) * scale - 1.5 * 2^23 * scale, the
 // product inside the FMA exact. Equal to fp32 x * scale, bit for bit, when scale has at most 22
-// significant bits (the quantizer's scales, quantize.cu): then neg_magic_scale = -1.5 * 2^23 * scale
+// significant bits (quant::logit_scale): then neg_magic_scale = -1.5 * 2^23 * scale
 // = -3 * 2^22 * scale is exact too, so the FMA rounds the exact x * scale once.
 __device__ __forceinline__ float small_int_times(int32_t x, float scale, float neg_magic_scale) {
   return fmaf(__int_as_float(kSmallIntMagicBits + x), scale, neg_magic_scale);

@@ -1,10 +1,14 @@
-// The per-token symmetric INT8 arithmetic, shared by quantize.cu and the Hopper kernel (which quantizes
-// its Q tile itself): one definition, so both produce the same bits, which reference.py reproduces.
+// The symmetric INT8 arithmetic, shared by quantize.cu and the Hopper kernel (which quantizes its Q tile
+// itself): one definition, so both produce the same bits, which reference.py reproduces.
 //
-// Why per token: the logit S[i,j] = q_i . k_j is then dequantized with exactly the scales of the two
-// rows it came from, s_q[i] * s_k[j], so no tile ever mixes scales, and one outlier token costs
-// precision only in its own row. Why symmetric [-127, 127]: zero maps to zero and the range is the same
-// on both sides, so x_q * scale is an unbiased reconstruction.
+// Granularity: Q per token, K per block of kKeyScaleTokens keys. A logit S[i,j] = q_i . k_j is then
+// dequantized with one scale per (query row, key block), c = q_scale[i] * k_scale[j / 64] (logit_scale),
+// the same for every logit a thread holds of one row of a key tile: the softmax takes the max on the
+// integer dot products and turns each into its exponent with one FMA (attention_fwd_sm90.cu), instead
+// of a multiply by each key's own scale. Per-token Q costs nothing (a thread's rows are fixed), and K,
+// smoothed by its token mean first, has no channel offsets left to make one key's range another's.
+// Why symmetric [-127, 127]: zero maps to zero and the range is the same on both sides, so x_q * scale
+// is an unbiased reconstruction.
 #pragma once
 
 #include <cstdint>
@@ -12,19 +16,26 @@
 namespace attention_int8 {
 namespace quant {
 
-// 127 / amax as an IEEE fp32 division (0 for an all-zero row): x_q = round_half_even(x * inv_scale).
+// 127 / amax as an IEEE fp32 division (0 for an all-zero group): x_q = round_half_even(x * inv_scale).
 __device__ __forceinline__ float inv_scale_of(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
 
 __device__ __forceinline__ int8_t quantize(float x, float inv_scale) {
   return static_cast<int8_t>(max(-127, min(127, __float2int_rn(x * inv_scale))));
 }
 
-// Scales keep 22 significant bits (round half up on the low 2 of fp32's 24; a relative change below
-// 2^-22): the sm90 kernel then dequantizes S * q_scale exactly with one FFMA (ptx::small_int_times).
-// A non-finite row gets a NaN scale, so NaN reaches the output instead of being clamped away.
+// A non-finite group gets a NaN scale, so NaN reaches the output instead of being clamped away.
 __device__ __forceinline__ float scale_of(float amax, float out_scale, bool finite) {
-  const float scale = amax / 127.f * out_scale;
-  return finite ? __uint_as_float((__float_as_uint(scale) + 2u) & ~3u) : __int_as_float(0x7fc00000);
+  return finite ? amax / 127.f * out_scale : __int_as_float(0x7fc00000);
+}
+
+// The dequantization scale of query row i against key block b, q_scale * k_scale rounded half up to 22
+// significant bits (a relative change below 2^-22): S * logit_scale is the base-2 logit (Q's scale
+// carries sm_scale * log2(e)). 22 bits times the 2-bit 1.5 * 2^23 of ptx::small_int_times are exact
+// in fp32, which the kernels' one-FMA dequantization needs. A NaN stays NaN (the integer rounding would
+// carry the canonical NaN 0x7fffffff over into -0).
+__device__ __forceinline__ float logit_scale(float q_scale, float k_scale) {
+  const float c = q_scale * k_scale;
+  return isnan(c) ? c : __uint_as_float((__float_as_uint(c) + 2u) & ~3u);
 }
 
 }  // namespace quant

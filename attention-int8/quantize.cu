@@ -1,6 +1,7 @@
-// Per-token symmetric INT8 quantization of Q and K (see QuantizeParams in attention_int8.h; the
-// arithmetic, and why per token, in quant_math.cuh). Per-token scales are what fixed the original
-// kernel's bug: no tile mixes the scales of different rows.
+// Symmetric INT8 quantization of Q (one scale per token) and K (one per block of kKeyScaleTokens keys),
+// see QuantizeParams in attention_int8.h; the arithmetic, and why these granularities, in quant_math.cuh.
+// Scales of whole rows (or row blocks) are what fixed the original kernel's bug: no scale is shared by
+// rows whose logits do not share it in the kernels.
 // K arrives with its token mean subtracted (smoothing): channel-wise offsets shared by all keys would
 // otherwise dominate amax and leave few INT8 levels for the part of K that differs between keys.
 #include <cmath>
@@ -28,8 +29,12 @@ struct QuantRowShape {
   static constexpr int kChunks = kHeadDim / kChunkElems;
   static constexpr int kLanes = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
   static constexpr int kRowsPerWarp = 32 / kLanes;
-  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarp * kRowIters;
+  static constexpr int kRowsPerWarpPass = kRowsPerWarp * kRowIters;  // consecutive rows
+  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarpPass;
   static_assert(kHeadDim % kChunkElems == 0 && kChunks <= 32, "unsupported head dim");
+  // A K scale block is whole warps of one CTA: its amax is a max over warps through shared memory.
+  static_assert(kKeyScaleTokens % kRowsPerWarpPass == 0 && kRowsPerBlock % kKeyScaleTokens == 0,
+                "K scale blocks must be whole warps of one CTA");
 };
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -83,18 +88,27 @@ __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChu
   if (r.has_data) load8(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
 }
 
-// Quantizes the lane group's row from the loaded chunk. Every lane takes part (warp-wide shuffles).
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const RowChunk& r, int chunk,
-                                               const Elem (&e8)[kChunkElems]) {
-  using Shape = QuantRowShape<kHeadDim>;
+// One lane's part of a row, as fp32 with the mean subtracted, and the row's (or, after
+// reduce_over_scale_block, the scale group's) amax and finiteness.
+struct RowStats {
   float v[kChunkElems];
+  float amax;
+  bool finite;
+};
+
+// Converts the lane group's loaded row, subtracts the mean, writes the optional row_dot and reduces
+// amax over the row. Every lane takes part (warp-wide shuffles).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ RowStats row_stats(const QuantizeParams& p, const RowChunk& r, int chunk,
+                                              const Elem (&e8)[kChunkElems]) {
+  using Shape = QuantRowShape<kHeadDim>;
+  RowStats st;
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) v[e] = r.has_data ? to_float(e8[e]) : 0.f;
+  for (int e = 0; e < kChunkElems; ++e) st.v[e] = r.has_data ? to_float(e8[e]) : 0.f;
   if (r.has_data && p.mean != nullptr) {
     const float* mean = p.mean + (int64_t(r.b) * p.heads + r.h) * kHeadDim + chunk * kChunkElems;
 #pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) v[e] -= mean[e];
+    for (int e = 0; e < kChunkElems; ++e) st.v[e] -= mean[e];
   }
   if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
     float dot = 0.f;
@@ -102,41 +116,89 @@ __device__ __forceinline__ void quantize_chunk(const QuantizeParams& p, const Ro
       const float* w = p.dot_vec + (int64_t(r.b) * (p.heads / p.dot_head_group) + r.h / p.dot_head_group) * kHeadDim +
                        chunk * kChunkElems;
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) dot += v[e] * w[e];
+      for (int e = 0; e < kChunkElems; ++e) dot += st.v[e] * w[e];
     }
     dot = group_reduce<Shape::kLanes>(dot, [](float a, float b) { return a + b; });
     if (r.active && chunk == 0) p.row_dot[r.row] = dot;
   }
-  float amax = 0.f;
+  st.amax = 0.f;
   int finite = 1;
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) {
-    amax = fmaxf(amax, fabsf(v[e]));
-    finite &= isfinite(v[e]) ? 1 : 0;
+    st.amax = fmaxf(st.amax, fabsf(st.v[e]));
+    finite &= isfinite(st.v[e]) ? 1 : 0;
   }
-  amax = group_reduce<Shape::kLanes>(amax, [](float a, float b) { return fmaxf(a, b); });
-  finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
-  if (!r.active) return;
+  st.amax = group_reduce<Shape::kLanes>(st.amax, [](float a, float b) { return fmaxf(a, b); });
+  st.finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
+  return st;
+}
 
-  const float inv_scale = quant::inv_scale_of(amax);
+// K's scale blocks: every row's amax (and finiteness) becomes its block's. A warp's rows lie in one
+// block (QuantRowShape), so: over the warp's row passes, over its row groups, then over the block's
+// warps through shared memory. Padding rows hold zeros and take part harmlessly.
+template <int kHeadDim>
+__device__ __forceinline__ void reduce_over_scale_block(RowStats (&st)[kRowIters]) {
+  using Shape = QuantRowShape<kHeadDim>;
+  constexpr int kWarpsPerScale = kKeyScaleTokens / Shape::kRowsPerWarpPass;
+  float amax = 0.f;
+  int finite = 1;
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) {
+    amax = fmaxf(amax, st[it].amax);
+    finite &= st[it].finite ? 1 : 0;
+  }
+#pragma unroll
+  for (int offset = Shape::kLanes; offset < 32; offset *= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
+    finite &= __shfl_xor_sync(kFullMask, finite, offset);
+  }
+  __shared__ float warp_amax[kQuantWarps];
+  __shared__ int warp_finite[kQuantWarps];
+  const int warp = threadIdx.x / 32, first = warp / kWarpsPerScale * kWarpsPerScale;
+  if (threadIdx.x % 32 == 0) {
+    warp_amax[warp] = amax;
+    warp_finite[warp] = finite;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarpsPerScale; ++w) {
+    amax = fmaxf(amax, warp_amax[first + w]);
+    finite &= warp_finite[first + w];
+  }
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) {
+    st[it].amax = amax;
+    st[it].finite = finite != 0;
+  }
+}
+
+// Quantizes and stores the lane's 8 elements with its group's scale; the group's first row stores the scale.
+template <int kHeadDim>
+__device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const RowStats& st) {
+  if (!r.active) return;
+  const float inv_scale = quant::inv_scale_of(st.amax);
   alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(v[e], inv_scale);
+  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(st.v[e], inv_scale);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
-  if (chunk == 0) p.scale[r.row] = quant::scale_of(amax, p.out_scale, finite);
+  if (chunk == 0 && r.n % p.tokens_per_scale == 0) {
+    const int64_t groups = (p.seqlen_pad + p.tokens_per_scale - 1) / p.tokens_per_scale;
+    p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / p.tokens_per_scale] =
+        quant::scale_of(st.amax, p.out_scale, st.finite);
+  }
 }
 
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
 // memory-bound kernel needs those bytes in flight.
 template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(const QuantizeParams p) {
+__global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
-  const int first_n = (blockIdx.x * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarp * kRowIters + lane / Shape::kLanes;
+  const int first_n = (blockIdx.x * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarpPass + lane / Shape::kLanes;
   RowChunk rows[kRowIters];
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
@@ -144,8 +206,12 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_per_token_kernel(co
     rows[it] = locate<kHeadDim>(p, first_n + it * Shape::kRowsPerWarp, chunk);
     load_chunk(p, rows[it], chunk, e8[it]);
   }
+  RowStats st[kRowIters];
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) quantize_chunk<kHeadDim>(p, rows[it], chunk, e8[it]);
+  for (int it = 0; it < kRowIters; ++it) st[it] = row_stats<kHeadDim>(p, rows[it], chunk, e8[it]);
+  if (p.tokens_per_scale != 1) reduce_over_scale_block<kHeadDim>(st);  // uniform: the barrier is safe
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, st[it]);
 }
 
 // Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
@@ -164,7 +230,8 @@ __global__ void __launch_bounds__(kMeanThreads) token_sum_partials_kernel(const 
       alignas(16) Elem e8[kMeanRowsInFlight][kChunkElems];
 #pragma unroll
       for (int u = 0; u < kMeanRowsInFlight; ++u)
-        if (n0 + u * kRowGroups < n_end) load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
+        if (n0 + u * kRowGroups < n_end)
+          load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
 #pragma unroll
       for (int u = 0; u < kMeanRowsInFlight; ++u)
 #pragma unroll
@@ -212,15 +279,16 @@ cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_quantize_per_token(const QuantizeParams& p, cudaStream_t stream) {
+cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
   if (p.sm90_layout && !sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
+  if (p.tokens_per_scale != 1 && p.tokens_per_scale != kKeyScaleTokens) return cudaErrorInvalidValue;
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
     const dim3 grid((p.seqlen_pad + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
-      quantize_per_token_kernel<decltype(head_dim)::value, decltype(elem)><<<grid, kQuantWarps * 32, 0, stream>>>(p);
+      quantize_kernel<decltype(head_dim)::value, decltype(elem)><<<grid, kQuantWarps * 32, 0, stream>>>(p);
       return cudaGetLastError();
     });
   });

@@ -6,11 +6,14 @@ import math
 import pytest
 import torch
 
-# Accuracy of the INT8 scheme against exact float64 attention. Measured with the reference on standard
-# normal inputs (N up to 2k, D 64-128, fp16/bf16): cos >= 0.99991, rel L1 <= 0.013, LSE within 0.016.
+# Accuracy of the INT8 scheme against exact float64 attention. Measured with the reference over the grid of
+# tests/test_reference.py (standard normal inputs, N up to 1k, D 64-128, fp16/bf16): cos >= 0.99988,
+# rel L1 <= 0.016, LSE within 0.054. The LSE's worst rows are causal rows that see a few keys: their LSE is
+# little more than one logit, whose INT8 error no sum averages out (with per-token K scales instead of
+# K's 64-key blocks the grid measured rel L1 <= 0.013 and LSE within 0.016).
 COS_MIN = 0.9995
 REL_L1_MAX = 0.02
-LSE_ATOL = 0.05
+LSE_ATOL = 0.1
 # Kernel vs reference LSE: both sum P in fp32 before rounding it, so only fp32 reassociation and rare INT8
 # ties differ (a CPU emulation of the online kernel: <= 5e-5).
 LSE_REF_ATOL = 1e-3
@@ -159,12 +162,13 @@ def check_case(ai8, case, generator=None):
     return failures
 
 
-def check_quantize(ai8, x, mean=None, out_scale=1.0, layout="HND"):
+def check_quantize(ai8, x, mean=None, out_scale=1.0, layout="HND", tokens_per_scale=1):
     """The quantizer op against the reference: deterministic fp32 arithmetic on both sides (IEEE division,
     round-half-even, the same mean tensor), so int8 values and scales must be bit-identical."""
-    x_q, scale = ai8.quantize_per_token(x, mean, out_scale=out_scale, tensor_layout=layout)
-    ref_q, ref_scale = ai8.reference.quantize_per_token(x if layout == "HND" else x.transpose(1, 2), mean, out_scale)
-    what = f"quantize {tuple(x.shape)} {layout} mean={mean is not None}"
+    x_q, scale = ai8.quantize_int8(x, mean, out_scale=out_scale, tensor_layout=layout, tokens_per_scale=tokens_per_scale)
+    ref_q, ref_scale = ai8.reference.quantize_int8(x if layout == "HND" else x.transpose(1, 2), mean, out_scale,
+                                                   tokens_per_scale)
+    what = f"quantize {tuple(x.shape)} {layout} mean={mean is not None} tokens_per_scale={tokens_per_scale}"
     failures = []
     if x_q.shape != ref_q.shape or x_q.dtype != torch.int8 or scale.dtype != torch.float32:
         failures.append(f"{what}: got {tuple(x_q.shape)} {x_q.dtype}, {scale.dtype}")

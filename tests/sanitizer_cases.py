@@ -26,8 +26,8 @@ def main():
             failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
     x = torch.randn(1, 3, 65, 96, device="cuda", generator=generator).half()
     mean = torch.randn(1, 3, 96, device="cuda", generator=generator)
-    for layout in ("HND", "NHD"):
-        failures += check_quantize(ai8, to_layout(x, layout), mean, 0.5, layout)
+    for layout, tokens_per_scale in (("HND", 1), ("NHD", ai8.KEY_TOKENS_PER_SCALE)):
+        failures += check_quantize(ai8, to_layout(x, layout), mean, 0.5, layout, tokens_per_scale)
     for failure in failures:
         print("FAIL", failure)
     print(f"{len(ODD_CASES)} attention cases and 2 quantizer cases: {len(failures)} failures")

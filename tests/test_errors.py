@@ -80,6 +80,16 @@ def test_op_argument_checks(ai8, case):
     _assert_raises(exc, patterns, ai8.ops.int8_attention_forward_with_lse, *args, **kwargs)
 
 
+@pytest.mark.parametrize("value, exc", [(2, ValueError), (128, ValueError), (0, ValueError), (64.0, TypeError),
+                                        (True, TypeError)])
+def test_quantize_tokens_per_scale_checked(ai8, value, exc):
+    x = torch.randn(1, 2, 70, 64, dtype=torch.float16, device="cuda" if torch.cuda.is_available() else "cpu")
+    _assert_raises(exc, [r"tokens_per_scale"], ai8.quantize_int8, x, tokens_per_scale=value)
+    if x.is_cuda and exc is ValueError:  # the raw op's own check (its schema already refuses non-ints)
+        _assert_raises(exc, [r"tokens_per_scale", r"\b1\b", r"\b64\b"], ai8.ops.quantize_int8, x, None, 1.0, "HND",
+                       value)
+
+
 def test_cpu_tensors_point_to_the_reference(ai8):
     q, k, v = _inputs("cpu")
     for fn in (ai8.int8_attention_forward, ai8.ops.int8_attention_forward):
@@ -93,8 +103,10 @@ def test_meta_tensors_give_shapes(ai8):
     out, lse = ai8.int8_attention_forward(q, k, v, tensor_layout="NHD", return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
-    x_q, scale = ai8.quantize_per_token(q, tensor_layout="NHD")
+    x_q, scale = ai8.quantize_int8(q, tensor_layout="NHD")
     assert x_q.shape == (2, 8, 100, 64) and x_q.dtype == torch.int8 and scale.shape == (2, 8, 100)
+    x_q, scale = ai8.quantize_int8(q, tensor_layout="NHD", tokens_per_scale=ai8.KEY_TOKENS_PER_SCALE)
+    assert x_q.shape == (2, 8, 100, 64) and scale.shape == (2, 8, 2)
 
 
 @requires_cuda

@@ -29,8 +29,8 @@ SCHEMAS = {
     'float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True) -> Tensor',
     "int8_attention_forward_with_lse": "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, "
     'bool is_causal=False, float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True) -> (Tensor, Tensor)',
-    "quantize_per_token": 'quantize_per_token(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout="HND") '
-    "-> (Tensor, Tensor)",
+    "quantize_int8": 'quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout="HND", '
+    "int tokens_per_scale=1) -> (Tensor, Tensor)",
 }
 
 # Prints {op name: schema} for the ops of the loaded namespace; the loading code is prepended.
@@ -100,7 +100,7 @@ def test_namespace_is_the_git_revision(namespace):
 def test_ops_module_names_the_built_namespace(ai8, namespace):
     ops_module = sys.modules[f"{ai8.__name__}._ops"]
     assert ops_module.ops.name == namespace
-    assert ops_module.add_op_namespace_prefix("quantize_per_token") == f"{namespace}::quantize_per_token"
+    assert ops_module.add_op_namespace_prefix("quantize_int8") == f"{namespace}::quantize_int8"
 
 
 def test_metadata(namespace):

@@ -66,30 +66,53 @@ def test_smoothing_matters(ai8, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 65504.0])
-def test_quantize_properties(ai8, dtype, magnitude):
-    x = ((torch.rand(2, 3, 77, 128) * 2 - 1) * magnitude).to(dtype)  # up to fp16's largest finite value
-    x_q, scale = ai8.reference.quantize_per_token(x)
-    assert x_q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+@pytest.mark.parametrize("tokens_per_scale", [1, 64])
+def test_quantize_properties(ai8, dtype, magnitude, tokens_per_scale):
+    # Up to fp16's largest finite value; tokens of different magnitudes; 200 tokens = 3 blocks + 8.
+    x = ((torch.rand(2, 3, 200, 128) * 2 - 1) * torch.rand(2, 3, 200, 1) * magnitude).to(dtype)
+    x_q, scale = ai8.reference.quantize_int8(x, tokens_per_scale=tokens_per_scale)
+    groups = -(-200 // tokens_per_scale)
+    assert x_q.dtype == torch.int8 and x_q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == (2, 3, groups)
     assert torch.isfinite(scale).all() and (scale > 0).all()
-    # Symmetric range: the row's largest |x| maps to exactly 127, and -x quantizes to -x_q.
-    assert torch.equal(x_q.abs().amax(dim=-1), torch.full_like(scale, 127, dtype=torch.int8))
-    neg_q, neg_scale = ai8.reference.quantize_per_token(-x)
+    def per_token(group_values):  # [..., groups] -> [..., 200, 1]
+        return group_values.repeat_interleave(tokens_per_scale, dim=-1)[..., :200, None]
+
+    def group_amax(t):  # [..., 200, D] -> [..., groups]
+        padded = torch.nn.functional.pad(t.abs().amax(dim=-1), (0, groups * tokens_per_scale - 200))
+        return padded.unflatten(-1, (groups, tokens_per_scale)).amax(dim=-1)
+
+    # Symmetric range: the group's largest |x| maps to exactly 127, and -x quantizes to -x_q.
+    assert torch.equal(group_amax(x_q), torch.full_like(scale, 127, dtype=torch.int8))
+    neg_q, neg_scale = ai8.reference.quantize_int8(-x, tokens_per_scale=tokens_per_scale)
     assert torch.equal(neg_q, -x_q) and torch.equal(neg_scale, scale)
     # Round to nearest: |x_q * scale - x| <= scale / 2, up to the fp32 rounding of 127 / amax and x * inv.
-    err = (x_q.double() * scale.double()[..., None] - x.double()).abs()
-    assert (err <= scale.double()[..., None] * (0.5 + 1e-4)).all()
-    # Same integers as the exact float64 quantization, except where fp32 rounding lands across a tie.
+    token_scale = per_token(scale.double())
+    err = (x_q.double() * token_scale - x.double()).abs()
+    assert (err <= token_scale * (0.5 + 1e-4)).all()
+    # Same integers as the exact float64 quantization with the group's amax, except where fp32 rounding
+    # lands across a tie.
     x64 = x.double()
-    ideal = torch.round(x64 * 127 / x64.abs().amax(dim=-1, keepdim=True))
+    ideal = torch.round(x64 * 127 / per_token(group_amax(x64)))
     diff = (x_q.double() - ideal).abs()
     assert diff.max() <= 1 and (diff > 0).double().mean() <= 1e-3
+
+
+def test_key_blocks_are_independent(ai8):
+    """Per block of 64 keys: each block quantizes exactly as it would alone, per token it is each row alone."""
+    x = torch.randn(1, 2, 150, 64) * torch.rand(1, 2, 150, 1) * 10
+    x_q, scale = ai8.reference.quantize_int8(x, tokens_per_scale=64)
+    for b, rows in enumerate((slice(0, 64), slice(64, 128), slice(128, 150))):
+        alone_q, alone_scale = ai8.reference.quantize_int8(x[:, :, rows].reshape(1, 2, 1, -1))
+        assert torch.equal(x_q[:, :, rows].reshape(1, 2, 1, -1), alone_q) and torch.equal(scale[..., b:b + 1],
+                                                                                           alone_scale)
 
 
 def test_quantize_rounds_half_to_even(ai8):
     # amax = 127 makes 127 / amax exactly 1, so x * inv lands exactly on the halves.
     x = torch.zeros(1, 1, 1, 64, dtype=torch.float16)
     x[..., :7] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, 1.5, -1.5])
-    x_q, scale = ai8.reference.quantize_per_token(x)
+    x_q, scale = ai8.reference.quantize_int8(x)
     assert x_q[..., :7].flatten().tolist() == [127, 2, 4, -2, 0, 2, -2]
     assert scale.item() == 1.0
 
@@ -97,24 +120,27 @@ def test_quantize_rounds_half_to_even(ai8):
 def test_quantize_mean_and_out_scale(ai8):
     x = torch.randn(2, 2, 50, 64).half()
     mean = torch.randn(2, 2, 64)
-    x_q, scale = ai8.reference.quantize_per_token(x, mean, out_scale=0.3)
-    x_q_ref, _ = ai8.reference.quantize_per_token(x.float() - mean[:, :, None])
+    x_q, scale = ai8.reference.quantize_int8(x, mean, out_scale=0.3)
+    x_q_ref, _ = ai8.reference.quantize_int8(x.float() - mean[:, :, None])
     assert torch.equal(x_q, x_q_ref)
-    # out_scale multiplies the fp32 amax / 127, and the product is then rounded to 22 bits.
+    # out_scale multiplies the fp32 amax / 127.
     amax = (x.float() - mean[:, :, None]).abs().amax(dim=-1)
-    unrounded = amax / torch.tensor(127.0) * torch.tensor(0.3, dtype=torch.float32)
-    assert torch.equal(scale, ((unrounded.view(torch.int32) + 2) & ~3).view(torch.float32))
+    assert torch.equal(scale, amax / torch.tensor(127.0) * torch.tensor(0.3, dtype=torch.float32))
 
 
-def test_scales_keep_22_bits(ai8):
-    """Scales are rounded to 22 significant bits (the Hopper kernel's exact one-FMA dequantization relies
-    on it): the low 2 mantissa bits are clear, and the rounding is to nearest (half up)."""
-    x = torch.randn(4, 3, 300, 128) * torch.rand(4, 3, 300, 1) * 1000
-    _, scale = ai8.reference.quantize_per_token(x, out_scale=0.0625 * 1.4426950408889634)
-    assert ((scale.view(torch.int32) & 3) == 0).all()
-    raw = x.abs().amax(dim=-1) / torch.tensor(127.0) * torch.tensor(0.0625 * 1.4426950408889634)
-    assert ((scale.double() - raw.double()).abs() <= raw.double() * 2.0 ** -22).all()
-    assert (scale != raw).any()  # the rounding did something on these random rows
+def test_logit_scale_keeps_22_bits(ai8):
+    """q_scale * k_scale rounded to 22 significant bits (the kernels' exact one-FMA dequantization relies on
+    it): the low 2 mantissa bits are clear, and the rounding is to nearest (half up)."""
+    q_scale = torch.rand(4, 3, 300, 1) * 10
+    k_scale = torch.rand(4, 3, 1, 5) * 10
+    c = ai8.reference.logit_scale(q_scale, k_scale)
+    assert ((c.view(torch.int32) & 3) == 0).all()
+    raw = q_scale * k_scale
+    assert ((c.double() - raw.double()).abs() <= raw.double() * 2.0 ** -22).all()
+    assert (c != raw).any()  # the rounding did something on these random scales
+    # NaN stays NaN whatever its bits (CUDA's canonical NaN 0x7fffffff would round into -0).
+    nan = torch.tensor([0x7FFFFFFF, 0x7FC00000, -1], dtype=torch.int32).view(torch.float32)
+    assert ai8.reference.logit_scale(nan, torch.ones(3)).isnan().all()
 
 
 def test_quantize_zero_and_non_finite_rows(ai8):
@@ -122,15 +148,18 @@ def test_quantize_zero_and_non_finite_rows(ai8):
     x[0, 0, 1] = 0
     x[0, 1, 2, 5] = math.nan
     x[0, 1, 4, 0] = math.inf
-    x_q, scale = ai8.reference.quantize_per_token(x)
+    x_q, scale = ai8.reference.quantize_int8(x)
     assert scale[0, 0, 1] == 0 and (x_q[0, 0, 1] == 0).all()
     assert scale[0, 1, 2].isnan() and scale[0, 1, 4].isnan()
     bad = torch.zeros_like(scale, dtype=torch.bool)
     bad[0, 1, 2] = bad[0, 1, 4] = True
     assert torch.isfinite(scale[~bad]).all()
     # Rows are independent: the finite rows quantize as they would on their own.
-    alone_q, alone_scale = ai8.reference.quantize_per_token(x[~bad][None])
+    alone_q, alone_scale = ai8.reference.quantize_int8(x[~bad][None])
     assert torch.equal(alone_q[0], x_q[~bad]) and torch.equal(alone_scale[0], scale[~bad])
+    # Per key block, the block holding a non-finite value gets the NaN scale.
+    _, block_scale = ai8.reference.quantize_int8(x, tokens_per_scale=64)
+    assert torch.equal(block_scale.isnan().flatten(), torch.tensor([False, True]))
 
 
 def test_rows_without_keys(ai8):
@@ -172,5 +201,5 @@ def test_timestep_argument_is_gone(ai8):
     q, k, v = make_qkv(Case(seqlen_q=8, seqlen_kv=8))
     with pytest.raises(TypeError, match="timestep"):
         ai8.int8_attention_forward(q, k, v, timestep=1)
-    for name in ("int8_attention_forward", "int8_attention_forward_with_lse", "quantize_per_token"):
+    for name in ("int8_attention_forward", "int8_attention_forward_with_lse", "quantize_int8"):
         assert "timestep" not in str(getattr(ai8.ops, name).default._schema)

@@ -105,6 +105,12 @@ void check_sizes(const Shape& s, const char* name) {
 
 int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 
+void check_tokens_per_scale(int64_t tokens_per_scale) {
+  TORCH_CHECK_VALUE(tokens_per_scale == 1 || tokens_per_scale == ai8::kKeyScaleTokens,
+                    "tokens_per_scale must be 1 (Q's per-token scales) or ", ai8::kKeyScaleTokens,
+                    " (K's per-block scales), got ", tokens_per_scale);
+}
+
 // The kernels read V (and the sm90 kernel Q) in place with 16-byte or vector accesses, and the sm90
 // kernel V by TMA: base and row/head/batch strides must be 16-byte aligned, and TMA also takes no zero
 // stride (an expanded tensor). Anything else is copied once into a dense tensor (documented cost).
@@ -119,18 +125,20 @@ at::Tensor readable_in_place(const at::Tensor& x, Layout layout, bool sm90) {
 
 struct QuantizedRows {
   at::Tensor values;   // int8 [B, H, seqlen_pad, D]
-  at::Tensor scales;   // fp32 [B, H, seqlen_pad]
+  at::Tensor scales;   // fp32 [B, H, ceil(seqlen_pad / tokens_per_scale)]
   at::Tensor row_dot;  // fp32 [B, H, seqlen_pad] (x . dot_vec), when a dot_vec was given
 };
 
+// Quantizes x with one scale per tokens_per_scale tokens (1 or kKeyScaleTokens), rows padded to a
+// multiple of row_multiple.
 QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
-                       int64_t row_multiple, cudaStream_t stream, const std::optional<at::Tensor>& dot_vec = {},
-                       bool sm90_layout = false) {
+                       int64_t tokens_per_scale, int64_t row_multiple, cudaStream_t stream,
+                       const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false) {
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
   QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, s.head_dim}, x.options().dtype(at::kChar)),
-                    at::empty({s.batch, s.heads, seqlen_pad}, f32),
+                    at::empty({s.batch, s.heads, (seqlen_pad + tokens_per_scale - 1) / tokens_per_scale}, f32),
                     dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
   if (dot_vec.has_value()) {
@@ -148,10 +156,11 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.seqlen = static_cast<int>(s.seqlen);
   params.seqlen_pad = static_cast<int>(seqlen_pad);
   params.head_dim = static_cast<int>(s.head_dim);
+  params.tokens_per_scale = static_cast<int>(tokens_per_scale);
   params.out_scale = static_cast<float>(out_scale);
   params.dtype = elem_type_of(x);
   params.sm90_layout = sm90_layout;
-  check_cuda(ai8::launch_quantize_per_token(params, stream), "launching quantize_per_token");
+  check_cuda(ai8::launch_quantize(params, stream), "launching quantize");
   return out;
 }
 
@@ -221,7 +230,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const bool lse_shift = with_lse && k_mean.has_value();
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
   const double q_out_scale = scale * kLog2e;
-  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90);
+  const QuantizedRows k_q =
+      quantize(k, layout, k_mean, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90);
   const at::Tensor v_rows = readable_in_place(v, layout, sm90);
 
   ai8::AttentionParams params{};
@@ -235,7 +245,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     params.k_mean = lse_shift ? k_mean->data_ptr<float>() : nullptr;
     params.sm_scale = static_cast<float>(scale);
   } else {
-    q_q = quantize(q, layout, std::nullopt, q_out_scale, ai8::kQueryPad, stream, lse_shift ? k_mean : std::nullopt);
+    q_q = quantize(q, layout, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream,
+                   lse_shift ? k_mean : std::nullopt);
     params.q = q_q.values.data_ptr<int8_t>();
     params.q_scale = q_q.scales.data_ptr<float>();
     params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
@@ -281,12 +292,14 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Ten
   return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/true);
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const std::optional<at::Tensor>& mean,
-                                                      double out_scale, c10::string_view tensor_layout) {
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
+                                                 double out_scale, c10::string_view tensor_layout,
+                                                 int64_t tokens_per_scale) {
   check_input(x, "x");
   const Layout layout = parse_layout(tensor_layout);
   const Shape s = shape_of(x, layout);
   check_sizes(s, "x");
+  check_tokens_per_scale(tokens_per_scale);
   checked_capability(x);
   if (mean.has_value()) {
     TORCH_CHECK_TYPE(mean->scalar_type() == at::kFloat, "mean must be float32, got ", mean->scalar_type());
@@ -296,7 +309,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const
                       "] tensor, got ", mean->sizes());
   }
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const QuantizedRows rows = quantize(x, layout, mean, out_scale, /*row_multiple=*/1, c10::cuda::getCurrentCUDAStream());
+  const QuantizedRows rows =
+      quantize(x, layout, mean, out_scale, tokens_per_scale, /*row_multiple=*/1, c10::cuda::getCurrentCUDAStream());
   return {rows.values, rows.scales};
 }
 
@@ -311,12 +325,14 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at
   return {at::empty_like(q, at::MemoryFormat::Contiguous), lse_like(q, parse_layout(tensor_layout))};
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_per_token_meta(const at::Tensor& x, const std::optional<at::Tensor>&,
-                                                           double, c10::string_view tensor_layout) {
+std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const std::optional<at::Tensor>&,
+                                                      double, c10::string_view tensor_layout,
+                                                      int64_t tokens_per_scale) {
+  check_tokens_per_scale(tokens_per_scale);
   const Layout layout = parse_layout(tensor_layout);
   const c10::SymInt b = x.sym_size(0), h = x.sym_size(head_axis(layout)), n = x.sym_size(seq_axis(layout));
   return {at::empty_symint({b, h, n, x.sym_size(3)}, x.options().dtype(at::kChar)),
-          at::empty_symint({b, h, n}, x.options().dtype(at::kFloat))};
+          at::empty_symint({b, h, (n + tokens_per_scale - 1) / tokens_per_scale}, x.options().dtype(at::kFloat))};
 }
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -326,26 +342,28 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
       "str tensor_layout=\"HND\", bool smooth_k=True) -> (Tensor, Tensor)");
-  ops.def("quantize_per_token(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\") -> (Tensor, Tensor)");
+  ops.def(
+      "quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\", int tokens_per_scale=1) "
+      "-> (Tensor, Tensor)");
 }
 
 // CPU tensors reach the same functions so that their device check answers with a clear ValueError.
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
-  ops.impl("quantize_per_token", &quantize_per_token);
+  ops.impl("quantize_int8", &quantize_int8);
 }
 
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
-  ops.impl("quantize_per_token", &quantize_per_token);
+  ops.impl("quantize_int8", &quantize_int8);
 }
 
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, Meta, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward_meta);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse_meta);
-  ops.impl("quantize_per_token", &quantize_per_token_meta);
+  ops.impl("quantize_int8", &quantize_int8_meta);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -17,8 +17,9 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Ten
                                                                    std::optional<double> sm_scale,
                                                                    c10::string_view tensor_layout, bool smooth_k);
 
-std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, const std::optional<at::Tensor>& mean,
-                                                      double out_scale, c10::string_view tensor_layout);
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
+                                                 double out_scale, c10::string_view tensor_layout,
+                                                 int64_t tokens_per_scale);
 
 // Meta implementations: shapes only, with symbolic sizes, for FakeTensor / torch.compile.
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
@@ -29,5 +30,6 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at
                                                                         std::optional<double> sm_scale,
                                                                         c10::string_view tensor_layout, bool smooth_k);
 
-std::tuple<at::Tensor, at::Tensor> quantize_per_token_meta(const at::Tensor& x, const std::optional<at::Tensor>& mean,
-                                                           double out_scale, c10::string_view tensor_layout);
+std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const std::optional<at::Tensor>& mean,
+                                                      double out_scale, c10::string_view tensor_layout,
+                                                      int64_t tokens_per_scale);

@@ -1,6 +1,7 @@
 """INT8-quantized scaled-dot-product attention for CUDA GPUs (compute capability 8.0+).
 
-Q.K^T runs on INT8 tensor cores with per-token scales (K smoothed by its token mean), the softmax is
+Q.K^T runs on INT8 tensor cores (Q with a scale per token, K smoothed by its token mean and with a scale
+per block of 64 keys), the softmax is
 an online base-2 softmax in fp32, and P.V runs in fp16/bf16 with fp32 accumulation. The scheme is
 documented, and implemented in plain PyTorch for CPUs, in `attention_int8.reference`; drop-in
 integrations (SDPA-compatible function, kernels-hub layer, diffusers processor) live in
@@ -15,9 +16,11 @@ import torch
 from . import layers, reference
 from ._ops import ops
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "int8_attention_forward", "quantize_per_token", "layers", "reference"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "KEY_TOKENS_PER_SCALE", "int8_attention_forward", "quantize_int8", "layers",
+           "reference"]
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
+KEY_TOKENS_PER_SCALE = reference.KEY_TOKENS_PER_SCALE  # K's scale granularity (Q's: one token)
 _DTYPES = (torch.float16, torch.bfloat16)
 _LAYOUTS = ("HND", "NHD")
 _MIN_CAPABILITY = (8, 0)  # INT8 mma.sync
@@ -118,13 +121,15 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
     return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k)
 
 
-def quantize_per_token(x, mean=None, out_scale=1.0, tensor_layout="HND"):
-    """The kernel's per-token symmetric INT8 quantizer (exposed for tests and inspection).
+def quantize_int8(x, mean=None, out_scale=1.0, tensor_layout="HND", tokens_per_scale=1):
+    """The kernels' symmetric INT8 quantizer (exposed for tests and inspection).
 
     ``x`` ``[B, H, N, D]`` (or ``[B, N, H, D]`` with ``tensor_layout="NHD"``) on CUDA, float16/bfloat16;
-    ``mean`` optional fp32 ``[B, H, D]`` subtracted from every token first. Returns ``(x_q, scale)``:
-    int8 ``[B, H, N, D]`` (always HND) and fp32 ``[B, H, N]`` with
-    ``x - mean ~= x_q * scale / out_scale``. See `attention_int8.reference.quantize_per_token`.
+    ``mean`` optional fp32 ``[B, H, D]`` subtracted from every token first; ``tokens_per_scale``: 1 (one
+    scale per token, as for Q) or ``KEY_TOKENS_PER_SCALE`` (one per block of keys, as for K). Returns
+    ``(x_q, scale)``: int8 ``[B, H, N, D]`` (always HND) and fp32 ``[B, H, ceil(N / tokens_per_scale)]``
+    with ``x - mean ~= x_q * scale[..., n // tokens_per_scale] / out_scale``. See
+    `attention_int8.reference.quantize_int8`.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -132,6 +137,10 @@ def quantize_per_token(x, mean=None, out_scale=1.0, tensor_layout="HND"):
         if not isinstance(mean, torch.Tensor):
             raise TypeError(f"mean must be a torch.Tensor or None, got {type(mean).__name__}")
         mean = mean.contiguous()
+    if isinstance(tokens_per_scale, bool) or not isinstance(tokens_per_scale, int):
+        raise TypeError(f"tokens_per_scale must be an int, got {type(tokens_per_scale).__name__}")
+    if tokens_per_scale not in (1, KEY_TOKENS_PER_SCALE):
+        raise ValueError(f"tokens_per_scale must be 1 or {KEY_TOKENS_PER_SCALE}, got {tokens_per_scale!r}")
     if x.dim() == 4:
         x = _last_dim_contiguous(x)
-    return ops.quantize_per_token(x, mean, float(out_scale), tensor_layout)
+    return ops.quantize_int8(x, mean, float(out_scale), tensor_layout, tokens_per_scale)

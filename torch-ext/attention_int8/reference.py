@@ -6,14 +6,17 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    independent of the summation order, for any fp16 input up to 8192 tokens) and rounded once to fp32.
    Every logit of a query row moves by the same constant ``q . mean(K)``, so the softmax is unchanged,
    but channel offsets shared by all keys no longer eat the INT8 range.
-2. Per-token symmetric INT8 in fp32: ``amax = max_d |x|``, ``x_q = round_half_even(x * (127 / amax))``
-   (the fp32 quotient first, then the product), clamped to [-127, 127];
-   ``scale = amax / 127 * out_scale`` rounded to 22 significant bits. ``amax == 0`` gives ``x_q = 0,
-   scale = 0``; a row holding a non-finite value gets a NaN scale (its ``x_q`` is unspecified; here 0), so
-   NaN reaches the output.
+2. Symmetric INT8 in fp32 with one scale per group of tokens: Q per token, K per block of
+   ``KEY_TOKENS_PER_SCALE`` = 64 keys (keys ``64 b .. 64 b + 63``; the last block may be shorter).
+   ``amax = max |x|`` over the group, ``x_q = round_half_even(x * (127 / amax))`` (the fp32 quotient
+   first, then the product), clamped to [-127, 127]; ``scale = amax / 127 * out_scale``. ``amax == 0``
+   gives ``x_q = 0, scale = 0``; a group holding a non-finite value gets a NaN scale (its ``x_q`` is
+   unspecified; here 0), so NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
-3. ``S2[i, j] = (q_q[i] . k_q[j]) * q_scale[i] * k_scale[j]``: exact integer dot products dequantized in
-   fp32. S2 is the logit in base 2.
+3. ``S2[i, j] = (q_q[i] . k_q[j]) * c[i, j // 64]`` with the logit scale ``c = q_scale[i] * k_scale[b]``
+   rounded (half up) to 22 significant bits: exact integer dot products dequantized by one fp32
+   multiply. S2 is the logit in base 2. (One scale per row and key block is what lets the kernels take
+   a tile's max on the integers and exponentiate with one FMA; 22 bits make that FMA exact.)
 4. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
    input dtype (fp16/bf16), ``O = (P V) / l`` accumulated in fp32 and cast to the input dtype.
 5. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . mean(K))`` (fp32): the log-sum-exp of the true scaled
@@ -32,38 +35,46 @@ import math
 
 import torch
 
-__all__ = ["quantize_per_token", "int8_attention_reference", "attention_float64"]
+__all__ = ["KEY_TOKENS_PER_SCALE", "quantize_int8", "logit_scale", "int8_attention_reference", "attention_float64"]
 
 LOG2E = math.log2(math.e)
+KEY_TOKENS_PER_SCALE = 64  # kKeyScaleTokens in attention_int8.h
 
 # Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
 _MAX_SCORE_ELEMENTS = 1 << 25
 
 
-def _round_to_22_bits(scale):
-    """fp32 ``scale`` rounded (half up) to 22 significant bits, as the CUDA quantizer stores it: the Hopper
-    kernel's one-FMA dequantization is then exact."""
-    return ((scale.view(torch.int32) + 2) & ~3).view(torch.float32)
+def logit_scale(q_scale, k_scale):
+    """``q_scale * k_scale`` in fp32, rounded (half up) to 22 significant bits, as the kernels compute it: their
+    one-FMA dequantization is then exact. NaN stays NaN."""
+    c = q_scale * k_scale
+    return torch.where(c.isnan(), c, ((c.view(torch.int32) + 2) & ~3).view(torch.float32))
 
 
-def quantize_per_token(x, mean=None, out_scale=1.0):
-    """Per-token symmetric INT8 quantization of ``x`` [..., N, D].
+def quantize_int8(x, mean=None, out_scale=1.0, tokens_per_scale=1):
+    """Symmetric INT8 quantization of ``x`` [..., N, D] with one scale per ``tokens_per_scale`` tokens.
 
-    ``mean`` [..., D] (fp32, optional) is subtracted first (K smoothing). Returns ``(x_q, scale)``:
-    int8 [..., N, D] and fp32 [..., N] with ``x - mean ~= x_q * scale / out_scale``.
+    ``mean`` [..., D] (fp32, optional) is subtracted first (K smoothing). Returns ``(x_q, scale)``: int8
+    [..., N, D] and fp32 [..., ceil(N / tokens_per_scale)] with
+    ``x - mean ~= x_q * scale[..., n // tokens_per_scale] / out_scale``.
     """
     x = x.float()
     if mean is not None:
         x = x - mean.float().unsqueeze(-2)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    n = x.shape[-2]
+    groups = -(-n // tokens_per_scale)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, groups * tokens_per_scale - n))  # zero rows: no effect on amax
+    grouped = padded.flatten(-2).unflatten(-1, (groups, tokens_per_scale * x.shape[-1]))  # [..., groups, T * D]
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(grouped).all(dim=-1, keepdim=True)
     # Tensor-by-tensor fp32 division on purpose: `127.0 / t` is computed by PyTorch as reciprocal(t) * 127
     # and `t / 127` on CUDA as t * (1 / 127), each one rounding more than the kernel's IEEE division.
     inv = torch.full_like(amax, 127.0) / amax
-    x_q = torch.round(x * inv).clamp_(-127, 127)
-    scale = _round_to_22_bits(amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale))
-    finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+    x_q = torch.round(grouped * inv).clamp_(-127, 127)
+    scale = amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale)
     x_q = torch.where(finite & (amax > 0), x_q, torch.zeros_like(x_q)).to(torch.int8)
     scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
+    x_q = x_q.flatten(-2, -1).unflatten(-1, (-1, x.shape[-1]))[..., :n, :]
     return x_q, scale.squeeze(-1)
 
 
@@ -120,8 +131,9 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
     batch, heads_q, seqlen_q, _ = q.shape
     seqlen_kv = k.shape[2]
     k_mean = k.double().mean(dim=-2).float() if smooth_k and seqlen_kv > 0 else None
-    q_q, q_scale = quantize_per_token(q, out_scale=sm_scale * LOG2E)
-    k_q, k_scale = quantize_per_token(k, k_mean)
+    q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
+    k_q, k_scale = quantize_int8(k, k_mean, tokens_per_scale=KEY_TOKENS_PER_SCALE)
+    k_scale = k_scale.repeat_interleave(KEY_TOKENS_PER_SCALE, dim=-1)[..., :seqlen_kv]  # per key
     # |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them
     # is exact in any summation order (TF32 too: 8-bit integers fit its mantissa). Likewise P and V are
     # fp16/bf16 values, exact in fp32/TF32, and only the accumulation rounds.
@@ -133,7 +145,7 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
     lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     for start, stop in _row_chunks(batch, heads_q, seqlen_q, seqlen_kv):
         s2 = q_q[:, :, start:stop].float() @ k_q.transpose(-1, -2)
-        s2 = s2 * q_scale[:, :, start:stop, None] * k_scale[:, :, None, :]
+        s2 = s2 * logit_scale(q_scale[:, :, start:stop, None], k_scale[:, :, None, :])
         visible = _visible(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
         if visible is not None:
             s2 = s2.masked_fill(~visible, -math.inf)
