@@ -99,7 +99,7 @@ def test_quantize_properties(ai8, dtype, magnitude, tokens_per_scale):
 
 
 def test_key_blocks_are_independent(ai8):
-    """Per block of 64 keys: each block quantizes exactly as it would alone, per token it is each row alone."""
+    """Per block of 64 keys: each block (the last one shorter) quantizes exactly as one token of all its values."""
     x = torch.randn(1, 2, 150, 64) * torch.rand(1, 2, 150, 1) * 10
     x_q, scale = ai8.reference.quantize_int8(x, tokens_per_scale=64)
     for b, rows in enumerate((slice(0, 64), slice(64, 128), slice(128, 150))):
