@@ -5,12 +5,12 @@
 //                   is the A-register layout), V read transposed (MN-major) from shared memory.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
-// consumer warpgroups own 64 query rows each. Two overlaps keep the tensor cores fed while a warpgroup
-// does its softmax:
-//  - inside a warpgroup, the softmax of tile j runs while the P.V wgmma of tile j - 1 computes;
-//  - across warpgroups, named barriers make the consumers take turns issuing their wgmmas (round robin),
-//    so one warpgroup's softmax runs under the others' matrix products instead of all doing softmax at
-//    the same time.
+// consumer warpgroups own 64 query rows each. Named barriers make the consumers take turns issuing
+// their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products instead
+// of all doing softmax at the same time. Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
+// S_j and may overlap the softmax of tile j; at D = 128 ptxas places the wait for it ahead of the softmax
+// (SASS), and forcing it behind made the kernel slower (benchmarks/RESULTS.md, v14), so there the
+// overlap is the other warpgroups'.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad is summed at the end
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold
-  // keys 16kk..16kk+15). It feeds the P.V wgmma that overlaps this tile's softmax, so it must stay
-  // untouched until that wgmma completes.
+  // keys 16kk..16kk+15). It feeds the P.V wgmma issued with this tile's S, so it must stay untouched
+  // until that wgmma completes.
   uint32_t p_frag[Traits::kPVSteps][4];
 
   // Issues O += P V-tile for tile `n_block` (asynchronous; one commit group). Its V must have landed:
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   };
 
   // One step of the key loop, for tile j. S_j = Q K_j^T and O += P_{j-1} V_{j-1} go to the tensor cores
-  // back to back; the softmax of S_j then runs while P_{j-1} V_{j-1} is still computing. Between the
+  // back to back; the softmax of S_j needs only S_j, P_{j-1} V_{j-1} may still be computing. Between the
   // wgmma fence and the final wait the body must be branch-free: ptxas serializes the wgmmas
   // otherwise. Hence compile-time flags for the first tile (no P.V yet) and for masked tiles.
   auto step = [&](int n_block, auto is_first, auto is_masked) {
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
-    // Pinning P first keeps the compiler from hoisting the wait above the softmax it should overlap.
+    // Pinning P first keeps NVVM from sinking the softmax below the wait (ptxas may still hoist the wait).
     wgmma::fence_operands(s);
     wgmma::wait_group<0>();
     wgmma::fence_operands(o_acc);
