@@ -160,7 +160,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
   return q;
 }
 
-// The producer: one thread issues every copy of the CTA (K + scales and V per tile).
+// The producer: one thread issues every copy of the CTA (K and V per tile; consumers load K's scale).
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
                                               const CUtensorMap* v_map, int head_kv, int batch, int n_blocks) {

@@ -24,6 +24,8 @@ constexpr int kKeyPad = 128;
 constexpr int kKeyScaleTokens = 64;
 static_assert(kKeyPad % kKeyScaleTokens == 0, "K's padding holds whole scale blocks");
 
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
 
 // The Hopper kernel (wgmma, built for sm_90a) serves head_dim 64 and 128 on compute capability 9.0:
@@ -43,7 +45,7 @@ struct RowMajorView {
 // `tokens_per_scale` consecutive tokens (1: per token, for Q; kKeyScaleTokens: per key block, for K):
 //   x_q[b,h,n,:] = round(x[b,h,n,:] * 127 / amax),   scale[b,h,n / tokens_per_scale] = amax / 127 * out_scale,
 // where amax = max |x[b,h,n',d] - mean[b,h,d]| over the group's tokens n' and all d (mean optional: the K
-// smoothing). Output is dense [B, H, n_pad, D] int8 and [B, H, ceil(n_pad / tokens_per_scale)] fp32;
+// smoothing). Output is dense [B, H, n_pad, D] int8 and [B, H, ceil_div(n_pad, tokens_per_scale)] fp32;
 // rows in [n, n_pad) are zero (and so count as zeros in their group's amax). A group holding a non-finite
 // value gets a NaN scale, so NaN propagates to the attention output.
 struct QuantizeParams {
@@ -99,16 +101,20 @@ struct AttentionParams {
 // rounded once to fp32. The fp64 sum is exact whenever the values' exponents span fewer than
 // 53 - 11 - log2(seqlen) binades (any fp16 input up to 8192 rows, any ordinarily ranged data), so it
 // does not depend on the summation order, and reference.py reproduces it with x.double().mean().
-// Two launches: fp64 sums of `chunks` blocks of rows_per_chunk rows per head (more blocks than heads
-// keep the GPU busy), then their total in a fixed order.
+// Two launches: fp64 sums of blocks of rows_per_chunk rows per head (more blocks than heads keep the
+// GPU busy), then their total in a fixed order.
 struct TokenMeanParams {
   const void* x;
   RowMajorView x_view;
-  double* partials;  // workspace [B, H, chunks, D]
+  double* partials;  // workspace [B, H, token_mean_chunks(seqlen, rows_per_chunk), D]
   float* mean;       // [B, H, D]
-  int batch, heads, seqlen, head_dim, chunks, rows_per_chunk;
+  int batch, heads, seqlen, head_dim, rows_per_chunk;
   ElemType dtype;
 };
+
+__host__ __device__ constexpr int64_t token_mean_chunks(int64_t seqlen, int64_t rows_per_chunk) {
+  return ceil_div(seqlen, rows_per_chunk);
+}
 
 cudaError_t launch_token_mean(const TokenMeanParams& params, cudaStream_t stream);
 cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);

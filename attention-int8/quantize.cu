@@ -186,7 +186,7 @@ __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowCh
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
   if (chunk == 0 && r.n % p.tokens_per_scale == 0) {
-    const int64_t groups = (p.seqlen_pad + p.tokens_per_scale - 1) / p.tokens_per_scale;
+    const int64_t groups = ceil_div(p.seqlen_pad, p.tokens_per_scale);
     p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / p.tokens_per_scale] =
         quant::scale_of(st.amax, p.out_scale, st.finite);
   }
@@ -257,20 +257,21 @@ __global__ void token_mean_finish_kernel(const TokenMeanParams p) {
   const int64_t bh = int64_t(blockIdx.z) * p.heads + blockIdx.y;
   const int d = threadIdx.x;
   double total = 0.0;
-  for (int c = 0; c < p.chunks; ++c) total += p.partials[(bh * p.chunks + c) * p.head_dim + d];
+  const int chunks = int(token_mean_chunks(p.seqlen, p.rows_per_chunk));
+  for (int c = 0; c < chunks; ++c) total += p.partials[(bh * chunks + c) * p.head_dim + d];
   p.mean[bh * p.head_dim + d] = __double2float_rn(total / p.seqlen);
 }
 
 }  // namespace
 
 cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
-  if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0 || p.chunks < 1) return cudaErrorInvalidValue;
+  if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0 || p.rows_per_chunk < 1) return cudaErrorInvalidValue;
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
-  if (int64_t(p.rows_per_chunk) * p.chunks < p.seqlen) return cudaErrorInvalidValue;
+  const int chunks = int(token_mean_chunks(p.seqlen, p.rows_per_chunk));
   const cudaError_t err = dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       token_sum_partials_kernel<decltype(head_dim)::value, decltype(elem)>
-          <<<dim3(p.chunks, p.heads, p.batch), kMeanThreads, 0, stream>>>(p);
+          <<<dim3(chunks, p.heads, p.batch), kMeanThreads, 0, stream>>>(p);
       return cudaGetLastError();
     });
   });

@@ -103,7 +103,7 @@ void check_sizes(const Shape& s, const char* name) {
 }
 
 
-int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+int64_t round_up(int64_t x, int64_t multiple) { return ai8::ceil_div(x, multiple) * multiple; }
 
 void check_tokens_per_scale(int64_t tokens_per_scale) {
   TORCH_CHECK_VALUE(tokens_per_scale == 1 || tokens_per_scale == ai8::kKeyScaleTokens,
@@ -125,7 +125,7 @@ at::Tensor readable_in_place(const at::Tensor& x, Layout layout, bool sm90) {
 
 struct QuantizedRows {
   at::Tensor values;   // int8 [B, H, seqlen_pad, D]
-  at::Tensor scales;   // fp32 [B, H, ceil(seqlen_pad / tokens_per_scale)]
+  at::Tensor scales;   // fp32 [B, H, ceil_div(seqlen_pad, tokens_per_scale)]
   at::Tensor row_dot;  // fp32 [B, H, seqlen_pad] (x . dot_vec), when a dot_vec was given
 };
 
@@ -138,7 +138,7 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
   QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, s.head_dim}, x.options().dtype(at::kChar)),
-                    at::empty({s.batch, s.heads, (seqlen_pad + tokens_per_scale - 1) / tokens_per_scale}, f32),
+                    at::empty({s.batch, s.heads, ai8::ceil_div(seqlen_pad, tokens_per_scale)}, f32),
                     dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
   if (dot_vec.has_value()) {
@@ -169,9 +169,9 @@ at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
   const Shape s = shape_of(x, layout);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t wanted = std::clamp<int64_t>((2 * sms + s.batch * s.heads - 1) / (s.batch * s.heads), 1, 64);
-  const int64_t rows_per_chunk = round_up((s.seqlen + wanted - 1) / wanted, 64);
-  const int64_t chunks = (s.seqlen + rows_per_chunk - 1) / rows_per_chunk;
-  at::Tensor partials = at::empty({s.batch, s.heads, chunks, s.head_dim}, x.options().dtype(at::kDouble));
+  const int64_t rows_per_chunk = round_up(ai8::ceil_div(s.seqlen, wanted), 64);
+  at::Tensor partials = at::empty({s.batch, s.heads, ai8::token_mean_chunks(s.seqlen, rows_per_chunk), s.head_dim},
+                                  x.options().dtype(at::kDouble));
   at::Tensor mean = at::empty({s.batch, s.heads, s.head_dim}, x.options().dtype(at::kFloat));
   ai8::TokenMeanParams params{};
   params.x = x.data_ptr();
@@ -182,7 +182,6 @@ at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
   params.heads = static_cast<int>(s.heads);
   params.seqlen = static_cast<int>(s.seqlen);
   params.head_dim = static_cast<int>(s.head_dim);
-  params.chunks = static_cast<int>(chunks);
   params.rows_per_chunk = static_cast<int>(rows_per_chunk);
   params.dtype = elem_type_of(x);
   check_cuda(ai8::launch_token_mean(params, stream), "launching token_mean");
