@@ -180,11 +180,11 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float c = quant::logit_scale(q_scale[mt][r], k_scale), neg_magic_c = -ptx::kSmallIntMagic * c;
+        const ptx::SmallIntScale c(quant::logit_scale(q_scale[mt][r], k_scale));
 #pragma unroll
         for (int t = 0; t < Traits::kSTiles; ++t)
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) s[mt][t][e] = ptx::small_int_times(s_int[mt][t][e], c, neg_magic_c);
+          for (int e = 2 * r; e < 2 * r + 2; ++e) s[mt][t][e] = c(s_int[mt][t][e]);
       }
 
     // Mask keys past the end and, under the causal mask, keys after the row's diagonal. Only tiles

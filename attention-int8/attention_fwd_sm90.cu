@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // quant_math.cuh), so the tile max is taken on the exact integers S, and each exponent is one FMA:
     //   l - m = (S - S_max) * c + (t - m),   t = S_max * c (rounded) the tile max, the row's logit max here.
     // S - S_max is exact (an integer add, then 1.5 * 2^23 + (S - S_max) is that float exactly, see
-    // ptx::small_int_times), and so is -1.5 * 2^23 * c; the FMA rounds once. At the tile holding the row's
+    // ptx::SmallIntScale), and so is -1.5 * 2^23 * c; the FMA rounds once. At the tile holding the row's
     // max, t - m = 0 and P of the max is exactly 1, even at the ~1e10 logits of fp16 extremes, where
     // rounding the max's logit on its own would leave a residual of 2^13 in the exponent.
     // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
@@ -329,15 +329,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     uint32_t minus_max_bits[2];  // magic - S_max: S + this is the bit pattern of 1.5 * 2^23 + (S - S_max)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      c[r] = quant::logit_scale(q.scale[r], k_scale);
-      const float neg_magic_c = -ptx::kSmallIntMagic * c[r];
-      const float tile_max =
-          tile_max_int[r] == kMaskedLogit ? -INFINITY : ptx::small_int_times(tile_max_int[r], c[r], neg_magic_c);
+      const ptx::SmallIntScale logit(quant::logit_scale(q.scale[r], k_scale));
+      c[r] = logit.scale;
+      const float tile_max = tile_max_int[r] == kMaskedLogit ? -INFINITY : logit(tile_max_int[r]);
       const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
       const float base = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: 2^(-inf - 0) = 0, not NaN
       alpha[r] = ptx::exp2_approx(row_max[r] - base);
       row_max[r] = m_new;
-      bias[r] = neg_magic_c + (tile_max - base);
+      bias[r] = logit.neg_magic_scale + (tile_max - base);
       minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
     }
     // P overwrites S (masked keys: 0).

@@ -17,7 +17,7 @@ struct AttentionKernelTraits {
   static constexpr int kBlockM = 128;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
-  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::small_int_times");
+  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::SmallIntScale");
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kKeyScaleTokens % kBlockN == 0, "a key tile lies inside one K scale block");
 
@@ -76,7 +76,7 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kBlockN == kKeyScaleTokens, "a key tile is one K scale block");
-  static_assert(2 * kHeadDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::small_int_times");
+  static_assert(2 * kHeadDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::SmallIntScale");
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;

@@ -90,13 +90,19 @@ __device__ __forceinline__ void mma_f32_16816<__nv_bfloat16>(float (&d)[4], cons
 constexpr int32_t kSmallIntMagicBits = 0x4B400000;  // 12582912.0f = 1.5 * 2^23
 constexpr float kSmallIntMagic = 12582912.0f;
 
-// round(x * scale) in one integer add and one FFMA: (1.5 * 2^23 + x) * scale - 1.5 * 2^23 * scale, the
-// product inside the FMA exact. Equal to fp32 x * scale, bit for bit, when scale has at most 22
-// significant bits (quant::logit_scale): then neg_magic_scale = -1.5 * 2^23 * scale
-// = -3 * 2^22 * scale is exact too, so the FMA rounds the exact x * scale once.
-__device__ __forceinline__ float small_int_times(int32_t x, float scale, float neg_magic_scale) {
-  return fmaf(__int_as_float(kSmallIntMagicBits + x), scale, neg_magic_scale);
-}
+// A scale for small integers: c(x) = round(x * scale) in one integer add and one FFMA,
+// (1.5 * 2^23 + x) * scale - 1.5 * 2^23 * scale, the product inside the FMA exact. Equal to fp32
+// x * scale, bit for bit, when scale has at most 22 significant bits (quant::logit_scale): then
+// neg_magic_scale = -1.5 * 2^23 * scale = -3 * 2^22 * scale is exact too, so the FMA rounds the exact
+// x * scale once. The Hopper kernel folds more into that FMA's addend (its exponents).
+struct SmallIntScale {
+  float scale;
+  float neg_magic_scale;
+  __device__ __forceinline__ explicit SmallIntScale(float s) : scale(s), neg_magic_scale(-kSmallIntMagic * s) {}
+  __device__ __forceinline__ float operator()(int32_t x) const {
+    return fmaf(__int_as_float(kSmallIntMagicBits + x), scale, neg_magic_scale);
+  }
+};
 
 // 2^x on the special-function unit (flush-to-zero: 2^-126 and below become 0, which softmax weights
 // below 2^-126 of the row maximum can afford). 2^-inf = 0, NaN stays NaN.

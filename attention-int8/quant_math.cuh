@@ -30,7 +30,7 @@ __device__ __forceinline__ float scale_of(float amax, float out_scale, bool fini
 
 // The dequantization scale of query row i against key block b, q_scale * k_scale rounded half up to 22
 // significant bits (a relative change below 2^-22): S * logit_scale is the base-2 logit (Q's scale
-// carries sm_scale * log2(e)). 22 bits times the 2-bit 1.5 * 2^23 of ptx::small_int_times are exact
+// carries sm_scale * log2(e)). 22 bits times the 2-bit 1.5 * 2^23 of ptx::SmallIntScale are exact
 // in fp32, which the kernels' one-FMA dequantization needs. A NaN stays NaN (the integer rounding would
 // carry the canonical NaN 0x7fffffff over into -0).
 __device__ __forceinline__ float logit_scale(float q_scale, float k_scale) {
