@@ -305,7 +305,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // S - S_max is exact (an integer add, then 1.5 * 2^23 + (S - S_max) is that float exactly, see
     // ptx::SmallIntScale), and so is -1.5 * 2^23 * c; the FMA rounds once. At the tile holding the row's
     // max, t - m = 0 and P of the max is exactly 1, even at the ~1e10 logits of fp16 extremes, where
-    // rounding the max's logit on its own would leave a residual of 2^13 in the exponent.
+    // rounding the max's logit on its own would leave a residual of 2^13 in the exponent. In other tiles,
+    // t - m rides on -1.5 * 2^23 * c and is resolved to within 0.75 c, one integer step of S: negligible at
+    // ordinary logits (c ~ 1e-5), but at fp16 extremes (c ~ 1e4) a key less than a step below the row's max
+    // may weigh 1 instead of 2^-gap ~ 0, well inside the INT8 logits' own uncertainty of many steps.
     // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
     // side: while the other warpgroups' wgmmas run, this warp is often its scheduler's only eligible one.
     constexpr int32_t kMaskedLogit = INT32_MIN;  // below any S; only the tile max sees it

@@ -10,7 +10,11 @@ import torch
 # tests/test_reference.py (standard normal inputs, N up to 1k, D 64-128, fp16/bf16): cos >= 0.99988,
 # rel L1 <= 0.016, LSE within 0.054. The LSE's worst rows are causal rows that see a few keys: their LSE is
 # little more than one logit, whose INT8 error no sum averages out (with per-token K scales instead of
-# K's 64-key blocks the grid measured rel L1 <= 0.013 and LSE within 0.016).
+# K's 64-key blocks the grid measured rel L1 <= 0.013 and LSE within 0.016). Inputs with a shared offset
+# in Q ("q_shift") are the hardest: one query row against 8192 keys measures rel L1 0.016 on average, and
+# 13 of 300 draws of 2 such rows (256 outputs) exceeded 0.02 (per-token K: 0.013 on average, 1 of 100
+# draws above), so the GPU grid gives every case at least 16 query rows (reference: 0.0157 on average,
+# at most 0.0184 in 100 draws of 16 rows).
 COS_MIN = 0.9995
 REL_L1_MAX = 0.02
 LSE_ATOL = 0.1

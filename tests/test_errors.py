@@ -232,10 +232,31 @@ def test_fp16_extremes(ai8, monkeypatch, kernel):
     failures = reference_failures(out, ai8.reference.int8_attention_reference(q, k, v, sm_scale=sm_scale), v)
     # The default sm_scale: logits ~ 1e9 in fp32 and a one-hot softmax, still finite.
     assert torch.isfinite(ai8.int8_attention_forward(q, k, v)).all()
-    # Without smoothing, kernel and reference quantize identical rows, so they pick the same row of v.
+    # Without smoothing, kernel and reference quantize identical rows, so they pick the same row of v, except
+    # in rows with a runner-up key less than one step of S below the max (rare: see _near_tie_rows).
     plain = ai8.int8_attention_forward(q, k, v, smooth_k=False)
-    failures += reference_failures(plain, ai8.reference.int8_attention_reference(q, k, v, smooth_k=False), v)
+    plain_ref = ai8.reference.int8_attention_reference(q, k, v, smooth_k=False)
+    near_tie = _near_tie_rows(ai8, q, k)
+    assert near_tie.float().mean().item() < 0.01, near_tie.sum().item()
+    failures += reference_failures(plain[~near_tie], plain_ref[~near_tie], v, "one-hot rows")
     assert not failures, failures
+
+
+def _near_tie_rows(ai8, q, k):
+    """[B, Hq, Nq] rows (HND, default sm_scale, no smoothing) whose two largest fp32 logits of the scheme differ
+    by less than two steps of S, 2 * c with c the row's largest logit scale. The Hopper kernel resolves the
+    exponents of a tile that does not hold the row's max only to within 0.75 c (attention_fwd_sm90.cu), so at
+    one-hot logits (c ~ 1e4 here) it may weigh such a runner-up 1 where the reference gives 2^-gap = 0."""
+    ref = ai8.reference
+    group, tokens = q.shape[1] // k.shape[1], ref.KEY_TOKENS_PER_SCALE
+    q_q, q_scale = ref.quantize_int8(q, out_scale=q.shape[-1] ** -0.5 * ref.LOG2E)
+    k_q, k_scale = ref.quantize_int8(k, tokens_per_scale=tokens)
+    k_scale = k_scale.repeat_interleave(tokens, dim=-1)[..., :k.shape[2]].repeat_interleave(group, dim=1)
+    c = ref.logit_scale(q_scale[..., None], k_scale[..., None, :])
+    logits = (q_q.float() @ k_q.float().repeat_interleave(group, dim=1).transpose(-1, -2)) * c
+    top = logits.topk(2, dim=-1).values
+    gap = top[..., 0] - top[..., 1]
+    return (gap > 0) & (gap < 2 * c.amax(dim=-1))
 
 
 @requires_cuda

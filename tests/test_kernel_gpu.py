@@ -43,6 +43,8 @@ def _grid():
     """Every shape x head dim x dtype; heads, layout and input kind rotate so each value meets many others."""
     for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, (64, 96, 128), DTYPES)):
         b, hq, hkv = HEADS[i % len(HEADS)]
+        if b * hq * nq < 16:  # the bars are for whole outputs: a few rows alone are too noisy a sample
+            b, hq, hkv = HEADS[1]
         yield Case(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, head_dim=d, is_causal=causal,
                    dtype=dtype, layout=("HND", "NHD")[(i // 2) % 2], kind=KINDS[(i // 3) % 3])
 
