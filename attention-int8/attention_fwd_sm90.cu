@@ -1,8 +1,9 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
 //   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q from registers, K from shared memory by descriptor;
-//   O += P V      : m64nDk16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
-//                   is the A-register layout), V read transposed (MN-major) from shared memory.
+//   O += P V      : m64n(D+8)k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
+//                   is the A-register layout), V read transposed (MN-major) from shared memory and
+//                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
 // consumer warpgroups own 64 query rows each. Named barriers make the consumers take turns issuing
@@ -36,6 +37,7 @@ struct Sm90Smem {
   uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
+  __device__ char* ones(int stage) const { return v(stage) + Traits::kSmemVBytes; }  // the box after V's
   __device__ uint64_t* k_full(int stage) const { return barriers + stage; }
   __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
   __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
@@ -224,6 +226,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     sm90::fence_barrier_init();
   }
+  // The sum columns of every stage: ones in all 64 channels of the box, so the swizzle cannot misplace them.
+  constexpr int kOnesChunks = Traits::kSmemVBoxBytes / 16;
+  const uint32_t one2 = ptx::pack2<Elem>(1.f, 1.f);
+  for (int i = tid; i < Traits::kStages * kOnesChunks; i += Traits::kThreads)
+    reinterpret_cast<uint4*>(smem.ones(i / kOnesChunks))[i % kOnesChunks] = make_uint4(one2, one2, one2, one2);
+  sm90::fence_proxy_async_smem();
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -250,7 +258,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
   for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad is summed at the end
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold
   // keys 16kk..16kk+15). It feeds the P.V wgmma issued with this tile's S, so it must stay untouched
   // until that wgmma completes.
@@ -263,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint64_t v_stage_desc = wgmma::advance_desc(v_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk)  // keys 16 kk.. are 128-byte rows 16 kk.. of every box
-      wgmma::mma_pv<D, Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_stage_desc, kk * 16 * 128));
+      wgmma::mma_pv<Traits::kPVN, Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_stage_desc, kk * 16 * 128));
     wgmma::commit_group();
   };
   auto release = [&](uint64_t* empty) {
@@ -298,7 +305,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     // Online softmax (base 2) with a lazy maximum: the running max m only moves when a tile's max exceeds
     // it by more than kRescaleSlack, so P = 2^(l - m) <= 2^kRescaleSlack stays well inside fp16/bf16 and
-    // fp32 sums, and O (64 multiplies per thread) is rescaled only in the rare tiles where m moved.
+    // the fp32 sums, and O with its sums (kORegs multiplies per thread) is rescaled only in the rare tiles
+    // where m moved. The sums add the fp16/bf16 P that multiplies V (the sum columns of P.V).
     // All logits a thread holds of one row share one scale c (the row's against this key block,
     // quant_math.cuh), so the tile max is taken on the exact integers S, and each exponent is one FMA:
     //   l - m = (S - S_max) * c + (t - m),   t = S_max * c (rounded) the tile max, the row's logit max here.
@@ -309,8 +317,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // t - m rides on -1.5 * 2^23 * c and is resolved to within 0.75 c, one integer step of S: negligible at
     // ordinary logits (c ~ 1e-5), but at fp16 extremes (c ~ 1e4) a key less than a step below the row's max
     // may weigh 1 instead of 2^-gap ~ 0, well inside the INT8 logits' own uncertainty of many steps.
-    // Maxima and sums are balanced trees (depth 5, not 32-long dependency chains), both rows side by
-    // side: while the other warpgroups' wgmmas run, this warp is often its scheduler's only eligible one.
+    // Maxima are balanced trees (not 16-long dependency chains), both rows side by side: while the other
+    // warpgroups' wgmmas run, this warp is often its scheduler's only eligible one.
     constexpr int32_t kMaskedLogit = INT32_MIN;  // below any S; only the tile max sees it
     if constexpr (kMasked) {
 #pragma unroll
@@ -350,9 +358,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       s[i] = ptx::exp2_approx(fmaf(__uint_as_float(uint32_t(s_int[i]) + minus_max_bits[r]), c[r], bias[r]));
       if constexpr (kMasked) s[i] = s_int[i] == kMaskedLogit ? 0.f : s[i];
     }
-    auto add_op = [](float x, float y) { return x + y; };
-    row_sum[0] = row_sum[0] * alpha[0] + reduce_row<0>(s, add_op);
-    row_sum[1] = row_sum[1] * alpha[1] + reduce_row<1>(s, add_op);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
     // Pinning P first keeps NVVM from sinking the softmax below the wait (ptxas may still hoist the wait).
@@ -404,19 +409,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kTurnThreads);
   }
 
-  // Epilogue: normalize, store O in the input dtype, and the natural-log LSE.
+  // Epilogue: normalize, store O in the input dtype, and the natural-log LSE. Every thread holds its rows'
+  // sums: the accumulators of the ones columns (register kOutRegs + 2r is row r, column D + 2 tig).
   Elem* o_head = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float sum = o_acc[Traits::kOutRegs + 2 * r];
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
     const int row = rows[r];
     if (row >= p.seqlen_q) continue;
     Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
 #pragma unroll
-    for (int i = 2 * r; i < kORegs; i += 4) {
+    for (int i = 2 * r; i < Traits::kOutRegs; i += 4) {
       const int col = 8 * (i / 4) + 2 * tig;
       *reinterpret_cast<uint32_t*>(o_row + col) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }

@@ -90,18 +90,25 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;   // k16 wgmma steps for O += P V
   static constexpr int kSAccRegs = kBlockN / 2;   // m64 x kBlockN accumulator registers per thread
-  static constexpr int kOAccRegs = kHeadDim / 2;  // m64 x D
+  // The P.V wgmma is D + 8 wide: after V's D channels come 8 columns of ones, whose accumulators
+  // collect the row sums of P (the same fp16/bf16 P that multiplies V) on the tensor cores.
+  static constexpr int kSumColumns = 8;
+  static constexpr int kPVN = kHeadDim + kSumColumns;
+  static constexpr int kOAccRegs = kPVN / 2;      // m64 x (D + 8): O, then the row sums
+  static constexpr int kOutRegs = kHeadDim / 2;   // the O part
 
-  // V boxes: kBlockN keys x 64 channels, one 128-byte swizzle row per key.
+  // V boxes: kBlockN keys x 64 channels, one 128-byte swizzle row per key. After them, each stage holds
+  // one more box of ones (written once, never copied): the channels D.. of the P.V wgmma.
   static constexpr int kVBoxChannels = 128 / sizeof(Elem);
   static_assert(kHeadDim % kVBoxChannels == 0, "V tiles are whole 64-channel boxes");
+  static_assert(kSumColumns <= kVBoxChannels, "the sum columns fit one box");
   static constexpr int kVBoxes = kHeadDim / kVBoxChannels;
   static constexpr int kSmemVBoxBytes = kBlockN * 128;
 
   static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
-  static constexpr int kSmemVBytes = kVBoxes * kSmemVBoxBytes;
+  static constexpr int kSmemVBytes = kVBoxes * kSmemVBoxBytes;  // what the TMA copies per stage
   static_assert(kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
-  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes;
+  static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes + kSmemVBoxBytes;
   static_assert(kSmemStageBytes % 1024 == 0, "stages start on 1024-byte swizzle atoms");
   // Barriers: full/empty for K and for V per stage.
   static constexpr int kBarriers = 4 * kStages;
