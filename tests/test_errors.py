@@ -247,13 +247,7 @@ def _near_tie_rows(ai8, q, k):
     by less than two steps of S, 2 * c with c the row's largest logit scale. The Hopper kernel resolves the
     exponents of a tile that does not hold the row's max only to within 0.75 c (attention_fwd_sm90.cu), so at
     one-hot logits (c ~ 1e4 here) it may weigh such a runner-up 1 where the reference gives 2^-gap = 0."""
-    ref = ai8.reference
-    group, tokens = q.shape[1] // k.shape[1], ref.KEY_TOKENS_PER_SCALE
-    q_q, q_scale = ref.quantize_int8(q, out_scale=q.shape[-1] ** -0.5 * ref.LOG2E)
-    k_q, k_scale = ref.quantize_int8(k, tokens_per_scale=tokens)
-    k_scale = k_scale.repeat_interleave(tokens, dim=-1)[..., :k.shape[2]].repeat_interleave(group, dim=1)
-    c = ref.logit_scale(q_scale[..., None], k_scale[..., None, :])
-    logits = (q_q.float() @ k_q.float().repeat_interleave(group, dim=1).transpose(-1, -2)) * c
+    logits, c = ai8.reference.int8_logits(q, k, smooth_k=False)
     top = logits.topk(2, dim=-1).values
     gap = top[..., 0] - top[..., 1]
     return (gap > 0) & (gap < 2 * c.amax(dim=-1))

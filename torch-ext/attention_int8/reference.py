@@ -35,7 +35,8 @@ import math
 
 import torch
 
-__all__ = ["KEY_TOKENS_PER_SCALE", "quantize_int8", "logit_scale", "int8_attention_reference", "attention_float64"]
+__all__ = ["KEY_TOKENS_PER_SCALE", "quantize_int8", "logit_scale", "int8_logits", "int8_attention_reference",
+           "attention_float64"]
 
 LOG2E = math.log2(math.e)
 KEY_TOKENS_PER_SCALE = 64  # kKeyScaleTokens in attention_int8.h
@@ -123,6 +124,35 @@ def _prepare(q, k, v, sm_scale, tensor_layout):
     return q, k, v, heads_q // heads_kv, sm_scale
 
 
+def _quantized_operands(q, k, group, sm_scale, smooth_k):
+    """Steps 1 and 2 on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_mean)`` with K's values (as fp32) and
+    scales (one per key) repeated to the query heads."""
+    seqlen_kv = k.shape[2]
+    k_mean = k.double().mean(dim=-2).float() if smooth_k and seqlen_kv > 0 else None
+    q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
+    k_q, k_scale = quantize_int8(k, k_mean, tokens_per_scale=KEY_TOKENS_PER_SCALE)
+    k_scale = k_scale.repeat_interleave(KEY_TOKENS_PER_SCALE, dim=-1)[..., :seqlen_kv]  # per key
+    return q_q, q_scale, _repeat_heads(k_q, group).float(), _repeat_heads(k_scale, group), k_mean
+
+
+def _logits(q_q, q_scale, k_q, k_scale):
+    """Step 3: the base-2 logits of the rows of q_q against every key, and their scales c.
+
+    |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them is
+    exact in any summation order (TF32 too: 8-bit integers fit its mantissa)."""
+    c = logit_scale(q_scale[..., None], k_scale[..., None, :])
+    return (q_q.float() @ k_q.transpose(-1, -2)) * c, c
+
+
+def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True):
+    """Steps 1 to 3 of the scheme (for tests and inspection): ``(logits, c)``, both fp32 [B, Hq, Nq, Nkv] (HND):
+    the base-2 logits before any mask, and the scale ``c = logit_scale(q_scale[i], k_scale[j // 64])`` each
+    was dequantized with, one integer step of its INT8 dot product."""
+    q, k, _, group, sm_scale = _prepare(q, k, k, sm_scale, tensor_layout)  # no V: K stands in
+    q_q, q_scale, k_q, k_scale, _ = _quantized_operands(q, k, group, sm_scale, smooth_k)
+    return _logits(q_q, q_scale, k_q, k_scale)
+
+
 def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
                              return_lse=False):
     """The INT8 scheme of the module docstring, in PyTorch (any device). Same signature and outputs as
@@ -130,22 +160,14 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
     batch, heads_q, seqlen_q, _ = q.shape
     seqlen_kv = k.shape[2]
-    k_mean = k.double().mean(dim=-2).float() if smooth_k and seqlen_kv > 0 else None
-    q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
-    k_q, k_scale = quantize_int8(k, k_mean, tokens_per_scale=KEY_TOKENS_PER_SCALE)
-    k_scale = k_scale.repeat_interleave(KEY_TOKENS_PER_SCALE, dim=-1)[..., :seqlen_kv]  # per key
-    # |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them
-    # is exact in any summation order (TF32 too: 8-bit integers fit its mantissa). Likewise P and V are
-    # fp16/bf16 values, exact in fp32/TF32, and only the accumulation rounds.
-    k_q = _repeat_heads(k_q, group).float()
-    k_scale = _repeat_heads(k_scale, group)
+    q_q, q_scale, k_q, k_scale, k_mean = _quantized_operands(q, k, group, sm_scale, smooth_k)
+    # P and V are fp16/bf16 values, exact in fp32/TF32: only the accumulation of P V rounds.
     v = _repeat_heads(v, group).float()
 
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     for start, stop in _row_chunks(batch, heads_q, seqlen_q, seqlen_kv):
-        s2 = q_q[:, :, start:stop].float() @ k_q.transpose(-1, -2)
-        s2 = s2 * logit_scale(q_scale[:, :, start:stop, None], k_scale[:, :, None, :])
+        s2, _ = _logits(q_q[:, :, start:stop], q_scale[:, :, start:stop], k_q, k_scale)
         visible = _visible(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
         if visible is not None:
             s2 = s2.masked_fill(~visible, -math.inf)
