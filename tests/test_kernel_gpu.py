@@ -56,6 +56,17 @@ def test_accuracy(ai8, monkeypatch, case, kernel):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_many_heads(ai8, monkeypatch, kernel):
+    """Many (batch, head) pairs, each K head with its own large offset (k_offset) that its own token mean must
+    remove: the smoothing pre-passes index every head (here more than 8 per SM) without mixing them up."""
+    select_kernel(monkeypatch, kernel)
+    heads = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    failures = check_case(ai8, Case(batch=2, heads_q=heads, heads_kv=heads // 2, seqlen_q=24, seqlen_kv=200,
+                                    head_dim=64, kind="k_offset"))
+    assert not failures, failures
+
+
 def test_raw_op_equals_python_api(ai8):
     q, k, v = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=500, is_causal=True), "cuda")
     out, lse = ai8.int8_attention_forward(q, k, v, is_causal=True, return_lse=True)

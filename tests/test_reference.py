@@ -68,8 +68,9 @@ def test_smoothing_matters(ai8, dtype):
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 65504.0])
 @pytest.mark.parametrize("tokens_per_scale", [1, 64])
 def test_quantize_properties(ai8, dtype, magnitude, tokens_per_scale):
-    # Up to fp16's largest finite value; tokens of different magnitudes; 200 tokens = 3 blocks + 8.
-    x = ((torch.rand(2, 3, 200, 128) * 2 - 1) * torch.rand(2, 3, 200, 1) * magnitude).to(dtype)
+    # Up to fp16's largest finite value; tokens of magnitudes 0.1x-1x (not near 0: at 1e-3 such a token would
+    # flush to fp16 zeros, whose scale is 0); 200 tokens = 3 blocks + 8.
+    x = ((torch.rand(2, 3, 200, 128) * 2 - 1) * (0.1 + 0.9 * torch.rand(2, 3, 200, 1)) * magnitude).to(dtype)
     x_q, scale = ai8.reference.quantize_int8(x, tokens_per_scale=tokens_per_scale)
     groups = -(-200 // tokens_per_scale)
     assert x_q.dtype == torch.int8 and x_q.shape == x.shape
