@@ -33,7 +33,8 @@ cudaError_t dispatch_elem(ElemType dtype, F&& f) {
 // Launches an attention kernel over (query blocks, heads, batch) with the dynamic shared memory its
 // traits ask for (above 48 KB only after cudaFuncSetAttribute raises the kernel's limit). Query blocks are
 // the fastest grid dimension, so the CTAs running at one time share one or two heads, whose K and V stay in
-// L2 (an order with heads fastest made the Hopper kernel 8-13% slower at N >= 8192: benchmarks/RESULTS.md, v18).
+// L2 (a persistent variant of the Hopper kernel that took heads fastest was 8-13% slower at N >= 8192:
+// benchmarks/RESULTS.md, v18).
 // `extra` are further kernel arguments after the params (the sm90 kernel's TMA descriptor).
 template <typename Traits, typename Kernel, typename... Extra>
 cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cudaStream_t stream, const Extra&... extra) {
