@@ -88,45 +88,51 @@ __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChu
   if (r.has_data) load8(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
 }
 
-// One lane's part of a row, as fp32 with the mean subtracted, and the row's (or, after
-// reduce_over_scale_block, the scale group's) amax and finiteness.
+// The lane's 8 channels of a per-head fp32 vector (the token mean or the row_dot weights): loaded once
+// per lane, since the lane's channels are the same in all its rows.
+__device__ __forceinline__ void load_channels(const float* x, float (&c8)[kChunkElems]) {
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    const float4 lo = reinterpret_cast<const float4*>(x)[0], hi = reinterpret_cast<const float4*>(x)[1];
+    c8[0] = lo.x, c8[1] = lo.y, c8[2] = lo.z, c8[3] = lo.w, c8[4] = hi.x, c8[5] = hi.y, c8[6] = hi.z, c8[7] = hi.w;
+  } else {  // a user's mean that starts off a 16-byte boundary
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) c8[e] = x[e];
+  }
+}
+
+// Element e of the lane's part of a row, as fp32 with the mean subtracted. Recomputed where needed
+// rather than kept: the raw 16 bytes take 4 registers, the fp32 values 8.
+template <typename Elem>
+__device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems], int e) {
+  return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
+}
+
+// The row's (or, after reduce_over_scale_block, the scale group's) amax and finiteness.
 struct RowStats {
-  float v[kChunkElems];
   float amax;
   bool finite;
 };
 
-// Converts the lane group's loaded row, subtracts the mean, writes the optional row_dot and reduces
-// amax over the row. Every lane takes part (warp-wide shuffles).
+// Reduces amax over the lane group's row and writes the optional row_dot. Every lane takes part
+// (warp-wide shuffles).
 template <int kHeadDim, typename Elem>
-__device__ __forceinline__ RowStats row_stats(const QuantizeParams& p, const RowChunk& r, int chunk,
-                                              const Elem (&e8)[kChunkElems]) {
+__device__ __forceinline__ RowStats row_stats(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
+                                              const float (&mean)[kChunkElems], const float (&dot_w)[kChunkElems]) {
   using Shape = QuantRowShape<kHeadDim>;
-  RowStats st;
-#pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) st.v[e] = r.has_data ? to_float(e8[e]) : 0.f;
-  if (r.has_data && p.mean != nullptr) {
-    const float* mean = p.mean + (int64_t(r.b) * p.heads + r.h) * kHeadDim + chunk * kChunkElems;
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) st.v[e] -= mean[e];
-  }
   if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
     float dot = 0.f;
-    if (r.has_data) {
-      const float* w = p.dot_vec + (int64_t(r.b) * (p.heads / p.dot_head_group) + r.h / p.dot_head_group) * kHeadDim +
-                       chunk * kChunkElems;
 #pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) dot += st.v[e] * w[e];
-    }
+    for (int e = 0; e < kChunkElems; ++e) dot += centered(r, e8, mean, e) * dot_w[e];
     dot = group_reduce<Shape::kLanes>(dot, [](float a, float b) { return a + b; });
     if (r.active && chunk == 0) p.row_dot[r.row] = dot;
   }
-  st.amax = 0.f;
+  RowStats st{0.f, true};
   int finite = 1;
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) {
-    st.amax = fmaxf(st.amax, fabsf(st.v[e]));
-    finite &= isfinite(st.v[e]) ? 1 : 0;
+    const float x = centered(r, e8, mean, e);
+    st.amax = fmaxf(st.amax, fabsf(x));
+    finite &= isfinite(x) ? 1 : 0;
   }
   st.amax = group_reduce<Shape::kLanes>(st.amax, [](float a, float b) { return fmaxf(a, b); });
   st.finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
@@ -173,13 +179,14 @@ __device__ __forceinline__ void reduce_over_scale_block(RowStats (&st)[kRowIters
 }
 
 // Quantizes and stores the lane's 8 elements with its group's scale; the group's first row stores the scale.
-template <int kHeadDim>
-__device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const RowStats& st) {
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
+                                            const float (&mean)[kChunkElems], const RowStats& st) {
   if (!r.active) return;
   const float inv_scale = quant::inv_scale_of(st.amax);
   alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(st.v[e], inv_scale);
+  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(centered(r, e8, mean, e), inv_scale);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
@@ -193,7 +200,8 @@ __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowCh
 }
 
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
-// memory-bound kernel needs those bytes in flight.
+// memory-bound kernel needs those bytes in flight, and the registers they need are few (raw 16-byte
+// chunks; no fp32 copy of the rows is kept).
 template <int kHeadDim, typename Elem>
 __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
@@ -206,12 +214,21 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const Quanti
     rows[it] = locate<kHeadDim>(p, first_n + it * Shape::kRowsPerWarp, chunk);
     load_chunk(p, rows[it], chunk, e8[it]);
   }
+  float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
+  if (chunk < Shape::kChunks) {
+    const int b = blockIdx.z, h = blockIdx.y;
+    if (p.mean != nullptr) load_channels(p.mean + (int64_t(b) * p.heads + h) * kHeadDim + chunk * kChunkElems, mean);
+    if (p.dot_vec != nullptr) {
+      const int64_t dot_row = int64_t(b) * (p.heads / p.dot_head_group) + h / p.dot_head_group;
+      load_channels(p.dot_vec + dot_row * kHeadDim + chunk * kChunkElems, dot_w);
+    }
+  }
   RowStats st[kRowIters];
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) st[it] = row_stats<kHeadDim>(p, rows[it], chunk, e8[it]);
+  for (int it = 0; it < kRowIters; ++it) st[it] = row_stats<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);
   if (p.tokens_per_scale != 1) reduce_over_scale_block<kHeadDim>(st);  // uniform: the barrier is safe
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, st[it]);
+  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, e8[it], mean, st[it]);
 }
 
 // Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
