@@ -84,7 +84,7 @@ struct AttentionParams {
   const float* k_scale;   // [B, Hkv, seqlen_kv_pad / kKeyScaleTokens]
   const void* v;          // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
   RowMajorView v_view;
-  void* o;
+  void* o;                // rows 16-byte aligned (the binding allocates O dense)
   RowMajorView o_view;
   float* lse;             // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
   // sm90, with lse: K's token mean [B, Hkv, D] fp32 when K was smoothed (else nullptr); the kernel adds

@@ -110,9 +110,16 @@ struct Sm90AttentionKernelTraits {
   static_assert(kSmemKBytes % 1024 == 0, "V boxes start on 1024-byte swizzle atoms");
   static constexpr int kSmemStageBytes = kSmemKBytes + kSmemVBytes + kSmemVBoxBytes;
   static_assert(kSmemStageBytes % 1024 == 0, "stages start on 1024-byte swizzle atoms");
+  // O leaves through shared memory: each consumer warp stages its 16 rows there (padded by 16 bytes, so the
+  // accumulator layout's 4-byte writes hit 32 distinct banks) and stores them as whole 16-byte chunks.
+  static constexpr int kORowBytes = kHeadDim * sizeof(Elem);
+  static constexpr int kOStageRowBytes = kORowBytes + 16;
+  static constexpr int kSmemOWarpBytes = 16 * kOStageRowBytes;
+  static constexpr int kSmemOBytes = kConsumerWarps * kSmemOWarpBytes;
   // Barriers: full/empty for K and for V per stage.
   static constexpr int kBarriers = 4 * kStages;
-  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kStages * kSmemStageBytes + kBarriers * 8;
+  static constexpr int kSmemBytes =
+      1024 /* base alignment slack */ + kStages * kSmemStageBytes + kSmemOBytes + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");
 };
 
