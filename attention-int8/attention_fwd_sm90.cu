@@ -103,21 +103,37 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
 }
 
+// The thread's raw Q: raw[r][2 ks + half] holds Q[rows[r]][32 ks + 16 half + 4 tig + e], e < 4 (8 bytes);
+// rows past seqlen_q are zeros. Loaded before the CTA's set-up, whose barrier wait then hides the latency.
 template <typename Traits>
-__device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionParams& p, int batch, int head, int head_kv,
-                                                              const int (&rows)[2], int tig) {
+using QRowsRaw = uint2[2][2 * Traits::kQKSteps];
+
+template <typename Traits>
+__device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch, int head, const int (&rows)[2], int tig,
+                                            QRowsRaw<Traits>& raw) {
   using Elem = typename Traits::Elem;
-  constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
   const Elem* q_head = static_cast<const Elem*>(p.q_input) + batch * p.q_view.batch_stride + head * p.q_view.head_stride;
-  // x[r][8 ks + 4 half + e] = Q[rows[r]][32 ks + 16 half + 4 tig + e]; rows past seqlen_q are zeros.
-  float x[2][kPerRow];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 4 * tig;
 #pragma unroll
+    for (int c = 0; c < 2 * Traits::kQKSteps; ++c)
+      raw[r][c] = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint2*>(row + 16 * c) : make_uint2(0, 0);
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionParams& p, int batch, int head_kv,
+                                                              const QRowsRaw<Traits>& raw, int tig) {
+  using Elem = typename Traits::Elem;
+  constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
+  // x[r][8 ks + 4 half + e] = Q[rows[r]][32 ks + 16 half + 4 tig + e]
+  float x[2][kPerRow];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
     for (int c = 0; c < 2 * kSteps; ++c) {
-      const uint2 bits = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint2*>(row + 16 * c) : make_uint2(0, 0);
-      const float2 lo = to_float2(bits.x, Elem{}), hi = to_float2(bits.y, Elem{});
+      const float2 lo = to_float2(raw[r][c].x, Elem{}), hi = to_float2(raw[r][c].y, Elem{});
       x[r][4 * c] = lo.x, x[r][4 * c + 1] = lo.y, x[r][4 * c + 2] = hi.x, x[r][4 * c + 3] = hi.y;
     }
   }
@@ -141,16 +157,6 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
     q.mean_dot[r] = 0.f;
   }
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
-      const float* src = &x[j % 2][8 * ks + 4 * (j / 2)];
-      uint32_t packed = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) packed |= uint32_t(uint8_t(quant::quantize(src[e], inv_scale[j % 2]))) << (8 * e);
-      q.a[ks][j] = packed;
-    }
   if (p.lse != nullptr && p.k_mean != nullptr) {
     const float* mean = p.k_mean + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
 #pragma unroll
@@ -162,6 +168,25 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
       q.mean_dot[r] = dot + __shfl_xor_sync(0xffffffffu, dot, 2);
     }
   }
+  // quantize_low_byte needs a finite inv_scale. An infinite one (a bf16 row with amax below ~4e-37) makes
+  // quantize() return +-127 by sign (0 for 0): the bytes that x = +-127 and inv_scale = 1 give.
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (!isfinite(inv_scale[r])) {
+#pragma unroll
+      for (int i = 0; i < kPerRow; ++i) x[r][i] = x[r][i] == 0.f ? 0.f : copysignf(127.f, x[r][i]);
+      inv_scale[r] = 1.f;
+    }
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
+      const float* src = &x[j % 2][8 * ks + 4 * (j / 2)];
+      uint32_t b[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) b[e] = quant::quantize_low_byte(src[e], inv_scale[j % 2]);
+      q.a[ks][j] = __byte_perm(__byte_perm(b[0], b[1], 0x0040), __byte_perm(b[2], b[3], 0x0040), 0x5410);
+    }
   return q;
 }
 
@@ -220,6 +245,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (p.causal) n_end = max(0, min(n_end, min(m0 + BM, p.seqlen_q) + causal_offset));
   const int n_blocks = (n_end + BN - 1) / BN;
 
+  // A consumer thread's two rows (accumulator rows group and group + 8 of its warp). Their Q loads go out
+  // first, so the set-up below runs under their latency.
+  const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
+  const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
+  int rows[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rows[r] = m0 + consumer * 64 + warp_in_group * 16 + group + 8 * r;
+  QRowsRaw<Traits> q_raw;
+  if (warpgroup > 0) load_q_rows<Traits>(p, batch, head, rows, tig, q_raw);
+
   if (tid == 0) {
     for (int s = 0; s < Traits::kStages; ++s) {
       sm90::mbarrier_init(smem.k_full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
@@ -245,13 +280,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
 
-  const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
-  const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
-  // This thread's two rows (accumulator rows group and group + 8 of its warp).
-  int rows[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) rows[r] = m0 + consumer * 64 + warp_in_group * 16 + group + 8 * r;
-  const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head, head_kv, rows, tig);
+  const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, tig);
   const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them.
   const uint64_t k_desc = wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0));
