@@ -138,7 +138,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
     }
   }
   QFragments<Traits> q;
-  float inv_scale[2];
+  float inv_scale[2], prescale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float amax = 0.f;
@@ -154,6 +154,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
       finite = __shfl_xor_sync(0xffffffffu, int(finite), lanes) && finite;
     }
     inv_scale[r] = quant::inv_scale_of(amax);
+    prescale[r] = quant::prescale_of(amax);
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
     q.mean_dot[r] = 0.f;
   }
@@ -168,14 +169,11 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
       q.mean_dot[r] = dot + __shfl_xor_sync(0xffffffffu, dot, 2);
     }
   }
-  // quantize_low_byte needs a finite inv_scale. An infinite one (a bf16 row with amax below ~4e-37) makes
-  // quantize() return +-127 by sign (0 for 0): the bytes that x = +-127 and inv_scale = 1 give.
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    if (!isfinite(inv_scale[r])) {
+    if (prescale[r] != 1.f) {  // rare (bf16 rows with amax below 2^-64): no multiply in the common case
 #pragma unroll
-      for (int i = 0; i < kPerRow; ++i) x[r][i] = x[r][i] == 0.f ? 0.f : copysignf(127.f, x[r][i]);
-      inv_scale[r] = 1.f;
+      for (int i = 0; i < kPerRow; ++i) x[r][i] *= prescale[r];
     }
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)

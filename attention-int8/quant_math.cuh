@@ -16,8 +16,15 @@
 namespace attention_int8 {
 namespace quant {
 
-// 127 / amax as an IEEE fp32 division (0 for an all-zero group): x_q = round_half_even(x * inv_scale).
-__device__ __forceinline__ float inv_scale_of(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+// A group quantizes x * prescale_of(amax): 1, or 2^64 when amax is below 2^-64 (bf16 only), since 127 / amax
+// overflows fp32 below ~3.7e-37. Scaling by a power of two is exact, so this changes no result that was finite.
+__device__ __forceinline__ float prescale_of(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.f; }
+
+// 127 / (amax * prescale_of(amax)) as an IEEE fp32 division (0 for an all-zero group), always finite:
+// x_q = round_half_even(x * prescale_of(amax) * inv_scale).
+__device__ __forceinline__ float inv_scale_of(float amax) {
+  return amax > 0.f ? 127.f / (amax * prescale_of(amax)) : 0.f;
+}
 
 __device__ __forceinline__ int8_t quantize(float x, float inv_scale) {
   return static_cast<int8_t>(max(-127, min(127, __float2int_rn(x * inv_scale))));
@@ -25,11 +32,10 @@ __device__ __forceinline__ int8_t quantize(float x, float inv_scale) {
 
 // quantize() on the FP32 pipe, as the low byte of the result: adding 1.5 * 2^23 to the rounded product
 // rounds it to an integer, half to even (the ulp there is 1), and leaves that integer's two's complement in
-// the low bits. Equal to quantize() whenever inv_scale is finite and x is in the group that gave amax:
-// |x * inv_scale| <= 127 (1 + 2^-23)^2 then, so the clamp has nothing to do. (A non-finite x gives other
-// bytes, but its group's scale is NaN either way; an infinite inv_scale is the caller's to map first.) The
-// conversion unit that quantize()'s __float2int_rn runs on does 16 per clock and SM, ~1.5k cycles of each
-// Hopper CTA's Q tile; the FP32 pipe does 128.
+// the low bits. Equal to quantize() for every (prescaled) x of the group that gave amax: |x * inv_scale| <=
+// 127 (1 + 2^-23)^2, so the clamp has nothing to do. (A non-finite x gives other bytes, but its group's scale
+// is NaN either way.) The conversion unit that quantize()'s __float2int_rn runs on does 16 per clock and SM,
+// ~1.5k cycles of each Hopper CTA's Q tile; the FP32 pipe does 128.
 __device__ __forceinline__ uint32_t quantize_low_byte(float x, float inv_scale) {
   return __float_as_uint(__fadd_rn(__fmul_rn(x, inv_scale), 12582912.f));
 }

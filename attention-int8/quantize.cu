@@ -183,10 +183,10 @@ template <int kHeadDim, typename Elem>
 __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
                                             const float (&mean)[kChunkElems], const RowStats& st) {
   if (!r.active) return;
-  const float inv_scale = quant::inv_scale_of(st.amax);
+  const float prescale = quant::prescale_of(st.amax), inv_scale = quant::inv_scale_of(st.amax);
   alignas(8) int8_t q8[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(centered(r, e8, mean, e), inv_scale);
+  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(centered(r, e8, mean, e) * prescale, inv_scale);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts

@@ -242,6 +242,31 @@ def test_fp16_extremes(ai8, monkeypatch, kernel):
     assert not failures, failures
 
 
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tiny", ["q", "k"])
+def test_bf16_tiny_groups(ai8, monkeypatch, kernel, tiny):
+    """bf16 Q rows (or K) of magnitude ~1e-37, below 127 / FLT_MAX: 127 / amax overflows fp32, so these
+    groups are quantized at a 2^64 prescale (quant_math.cuh). The other operand at ~1e29 and sm_scale 1e7
+    give logits of order 1, where a row quantized by sign alone (an infinite inverse scale) or to zeros
+    misses the float64 output by far."""
+    select_kernel(monkeypatch, kernel)
+    q, k, v = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=200, seqlen_kv=300, head_dim=128, dtype=torch.bfloat16),
+                       "cuda")
+    small, large = (q, k) if tiny == "q" else (k, q)
+    small = (small.float() / small.float().abs().amax(dim=-1, keepdim=True) * 2e-37).bfloat16()
+    large = (large.float() * 1e29).bfloat16()
+    q, k = (small, large) if tiny == "q" else (large, small)
+    assert small.float().abs().max().item() < 127 / torch.finfo(torch.float32).max
+    exact = ai8.reference.attention_float64(q, k, v, sm_scale=1e7)
+    uniform = ai8.reference.attention_float64(q, torch.zeros_like(k), v, sm_scale=1e7)
+    assert (exact - uniform).abs().max().item() > 0.1  # the premise: logits that matter
+    out = ai8.int8_attention_forward(q, k, v, sm_scale=1e7)
+    assert_accurate(out, exact, f"tiny {tiny}")
+    failures = reference_failures(out, ai8.reference.int8_attention_reference(q, k, v, sm_scale=1e7), v)
+    assert not failures, failures
+
 def _near_tie_rows(ai8, q, k):
     """[B, Hq, Nq] rows (HND, default sm_scale, no smoothing) whose two largest fp32 logits of the scheme differ
     by less than two steps of S, 2 * c with c the row's largest logit scale. The Hopper kernel resolves the

@@ -9,7 +9,9 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
 2. Symmetric INT8 in fp32 with one scale per group of tokens: Q per token, K per block of
    ``KEY_TOKENS_PER_SCALE`` = 64 keys (keys ``64 b .. 64 b + 63``; the last block may be shorter).
    ``amax = max |x|`` over the group, ``x_q = round_half_even(x * (127 / amax))`` (the fp32 quotient
-   first, then the product), clamped to [-127, 127]; ``scale = amax / 127 * out_scale``. ``amax == 0``
+   first, then the product), clamped to [-127, 127]; ``scale = amax / 127 * out_scale``. A group with
+   ``amax < 2^-64`` (bf16 only) uses ``x * 2^64`` and ``amax * 2^64`` in the quotient and the product
+   (exact), since ``127 / amax`` overflows fp32 below ~3.7e-37. ``amax == 0``
    gives ``x_q = 0, scale = 0``; a group holding a non-finite value gets a NaN scale (its ``x_q`` is
    unspecified; here 0), so NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
@@ -70,8 +72,9 @@ def quantize_int8(x, mean=None, out_scale=1.0, tokens_per_scale=1):
     finite = torch.isfinite(grouped).all(dim=-1, keepdim=True)
     # Tensor-by-tensor fp32 division on purpose: `127.0 / t` is computed by PyTorch as reciprocal(t) * 127
     # and `t / 127` on CUDA as t * (1 / 127), each one rounding more than the kernel's IEEE division.
-    inv = torch.full_like(amax, 127.0) / amax
-    x_q = torch.round(grouped * inv).clamp_(-127, 127)
+    prescale = torch.where(amax < 2.0**-64, 2.0**64, 1.0).to(amax.dtype)
+    inv = torch.full_like(amax, 127.0) / (amax * prescale)
+    x_q = torch.round(grouped * prescale * inv).clamp_(-127, 127)
     scale = amax / torch.full_like(amax, 127.0) * torch.full_like(amax, out_scale)
     x_q = torch.where(finite & (amax > 0), x_q, torch.zeros_like(x_q)).to(torch.int8)
     scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
