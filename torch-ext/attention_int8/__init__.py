@@ -8,6 +8,7 @@ integrations (SDPA-compatible function, kernels-hub layer, diffusers processor) 
 `attention_int8.layers`.
 """
 
+import functools
 import math
 from numbers import Real
 
@@ -26,6 +27,12 @@ _LAYOUTS = ("HND", "NHD")
 _MIN_CAPABILITY = (8, 0)  # INT8 mma.sync
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index):
+    # A device's capability never changes; querying it costs microseconds of every call's CPU time.
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _check_device(tensors, names):
     device = tensors[0].device
     if any(t.device != device for t in tensors):
@@ -36,7 +43,7 @@ def _check_device(tensors, names):
     if device.type != "cuda":
         raise ValueError(f"attention_int8 runs on CUDA tensors, got {device}; on CPU use "
                          "attention_int8.reference.int8_attention_reference (same scheme, plain PyTorch)")
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < _MIN_CAPABILITY:
         raise ValueError(f"attention_int8 needs a GPU of compute capability "
                          f"{'.'.join(map(str, _MIN_CAPABILITY))} or newer, but {device} is "
