@@ -243,13 +243,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (p.causal) n_end = max(0, min(n_end, min(m0 + BM, p.seqlen_q) + causal_offset));
   const int n_blocks = (n_end + BN - 1) / BN;
 
-  // A consumer thread's two rows (accumulator rows group and group + 8 of its warp). Their Q loads go out
-  // first, so the set-up below runs under their latency.
+  // A consumer warp owns 16 query rows from warp_row0; a thread, rows group and group + 8 of them (its
+  // accumulator rows). Their Q loads go out first, so the set-up below runs under their latency.
   const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
+  const int warp_row0 = m0 + consumer * 64 + warp_in_group * 16;
   int rows[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) rows[r] = m0 + consumer * 64 + warp_in_group * 16 + group + 8 * r;
+  for (int r = 0; r < 2; ++r) rows[r] = warp_row0 + group + 8 * r;
   QRowsRaw<Traits> q_raw;
   if (warpgroup > 0) load_q_rows<Traits>(p, batch, head, rows, tig, q_raw);
 
@@ -463,7 +464,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   __syncwarp();
   constexpr int kRowChunks = Traits::kORowBytes / 16;
   Elem* o_head = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride;
-  const int warp_row0 = m0 + consumer * 64 + warp_in_group * 16;
 #pragma unroll
   for (int c = lane; c < 16 * kRowChunks; c += 32) {  // consecutive lanes: consecutive chunks of a row
     const int tile_row = c / kRowChunks, chunk = c % kRowChunks;
