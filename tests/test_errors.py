@@ -242,6 +242,16 @@ def test_fp16_extremes(ai8, monkeypatch, kernel):
     assert not failures, failures
 
 
+def _near_tie_rows(ai8, q, k):
+    """[B, Hq, Nq] rows (HND, default sm_scale, no smoothing) whose two largest fp32 logits of the scheme differ
+    by less than two steps of S, 2 * c with c the row's largest logit scale. The Hopper kernel resolves the
+    exponents of a tile that does not hold the row's max only to within 0.75 c (attention_fwd_sm90.cu), so at
+    one-hot logits (c ~ 1e4 here) it may weigh such a runner-up 1 where the reference gives 2^-gap = 0."""
+    logits, c = ai8.reference.int8_logits(q, k, smooth_k=False)
+    top = logits.topk(2, dim=-1).values
+    gap = top[..., 0] - top[..., 1]
+    return (gap > 0) & (gap < 2 * c.amax(dim=-1))
+
 
 @requires_cuda
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -266,16 +276,6 @@ def test_bf16_tiny_groups(ai8, monkeypatch, kernel, tiny):
     assert_accurate(out, exact, f"tiny {tiny}")
     failures = reference_failures(out, ai8.reference.int8_attention_reference(q, k, v, sm_scale=1e7), v)
     assert not failures, failures
-
-def _near_tie_rows(ai8, q, k):
-    """[B, Hq, Nq] rows (HND, default sm_scale, no smoothing) whose two largest fp32 logits of the scheme differ
-    by less than two steps of S, 2 * c with c the row's largest logit scale. The Hopper kernel resolves the
-    exponents of a tile that does not hold the row's max only to within 0.75 c (attention_fwd_sm90.cu), so at
-    one-hot logits (c ~ 1e4 here) it may weigh such a runner-up 1 where the reference gives 2^-gap = 0."""
-    logits, c = ai8.reference.int8_logits(q, k, smooth_k=False)
-    top = logits.topk(2, dim=-1).values
-    gap = top[..., 0] - top[..., 1]
-    return (gap > 0) & (gap < 2 * c.amax(dim=-1))
 
 
 @requires_cuda
