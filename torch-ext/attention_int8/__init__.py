@@ -43,7 +43,7 @@ def _check_device(tensors, names):
     if device.type != "cuda":
         raise ValueError(f"attention_int8 runs on CUDA tensors, got {device}; on CPU use "
                          "attention_int8.reference.int8_attention_reference (same scheme, plain PyTorch)")
-    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    capability = _capability(device.index)  # a tensor's CUDA device always has its index
     if capability < _MIN_CAPABILITY:
         raise ValueError(f"attention_int8 needs a GPU of compute capability "
                          f"{'.'.join(map(str, _MIN_CAPABILITY))} or newer, but {device} is "
