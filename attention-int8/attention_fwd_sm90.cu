@@ -178,13 +178,8 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
-      const float* src = &x[j % 2][8 * ks + 4 * (j / 2)];
-      uint32_t b[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) b[e] = quant::quantize_low_byte(src[e], inv_scale[j % 2]);
-      q.a[ks][j] = __byte_perm(__byte_perm(b[0], b[1], 0x0040), __byte_perm(b[2], b[3], 0x0040), 0x5410);
-    }
+    for (int j = 0; j < 4; ++j)  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
+      q.a[ks][j] = quant::quantize4(&x[j % 2][8 * ks + 4 * (j / 2)], inv_scale[j % 2]);
   return q;
 }
 

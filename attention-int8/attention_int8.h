@@ -47,7 +47,7 @@ struct RowMajorView {
 // where amax = max |x[b,h,n',d] - mean[b,h,d]| over the group's tokens n' and all d (mean optional: the K
 // smoothing). Output is dense [B, H, n_pad, D] int8 and [B, H, ceil_div(n_pad, tokens_per_scale)] fp32;
 // rows in [n, n_pad) are zero (and so count as zeros in their group's amax). A group holding a non-finite
-// value gets a NaN scale, so NaN propagates to the attention output.
+// value gets a NaN scale (and zeros), so NaN propagates to the attention output.
 struct QuantizeParams {
   const void* x;
   RowMajorView x_view;

@@ -26,18 +26,17 @@ __device__ __forceinline__ float inv_scale_of(float amax) {
   return amax > 0.f ? 127.f / (amax * prescale_of(amax)) : 0.f;
 }
 
-__device__ __forceinline__ int8_t quantize(float x, float inv_scale) {
-  return static_cast<int8_t>(max(-127, min(127, __float2int_rn(x * inv_scale))));
-}
-
-// quantize() on the FP32 pipe, as the low byte of the result: adding 1.5 * 2^23 to the rounded product
-// rounds it to an integer, half to even (the ulp there is 1), and leaves that integer's two's complement in
-// the low bits. Equal to quantize() for every (prescaled) x of the group that gave amax: |x * inv_scale| <=
-// 127 (1 + 2^-23)^2, so the clamp has nothing to do. (A non-finite x gives other bytes, but its group's scale
-// is NaN either way.) The conversion unit that quantize()'s __float2int_rn runs on does 16 per clock and SM,
-// ~1.5k cycles of each Hopper CTA's Q tile; the FP32 pipe does 128.
-__device__ __forceinline__ uint32_t quantize_low_byte(float x, float inv_scale) {
-  return __float_as_uint(__fadd_rn(__fmul_rn(x, inv_scale), 12582912.f));
+// x_q = round_half_even(x[e] * inv_scale) for four consecutive elements, packed into one word (element e in
+// byte e). The rounding runs on the FP32 pipe: adding 1.5 * 2^23 to the rounded product rounds it to an
+// integer, half to even (the ulp there is 1), and leaves that integer's two's complement in the low byte.
+// No clamp is needed for any (prescaled) x of the group that gave amax: |x * inv_scale| <= 127 (1 + 2^-23)^2.
+// (A non-finite x gives other bytes; its group's scale is NaN.) The conversion unit of __float2int_rn does
+// 16 per clock and SM, the FP32 pipe 128: in the Hopper kernel's Q tile that was ~1.5k cycles a CTA.
+__device__ __forceinline__ uint32_t quantize4(const float* x, float inv_scale) {
+  uint32_t b[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) b[e] = __float_as_uint(__fadd_rn(__fmul_rn(x[e], inv_scale), 12582912.f));
+  return __byte_perm(__byte_perm(b[0], b[1], 0x0040), __byte_perm(b[2], b[3], 0x0040), 0x5410);
 }
 
 // A non-finite group gets a NaN scale, so NaN reaches the output instead of being clamped away.

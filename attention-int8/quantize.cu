@@ -40,7 +40,7 @@ struct QuantRowShape {
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// Reduction over the kLanes lanes of one row: xor offsets below kLanes stay inside the group.
+// Reduction over each group of kLanes lanes (a row's; 32: the warp): xor offsets below kLanes stay inside it.
 template <int kLanes, typename T, typename Op>
 __device__ __forceinline__ T group_reduce(T x, Op op) {
 #pragma unroll
@@ -107,95 +107,81 @@ __device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kC
   return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
 }
 
-// The row's (or, after reduce_over_scale_block, the scale group's) amax and finiteness.
-struct RowStats {
-  float amax;
-  bool finite;
+// A group's amax and finiteness in one integer: |x| as unsigned bits orders like |x| for every finite x, and
+// every infinity or NaN lies above every finite value. So one integer max over the group's |x| bits (one
+// reduction, not one for the amax and one for finiteness) is the amax's bits when below kInfBits.
+constexpr uint32_t kInfBits = 0x7f800000u;
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+struct UnsignedMax {
+  __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return max(a, b); }
 };
 
-// Reduces amax over the lane group's row and writes the optional row_dot. Every lane takes part
-// (warp-wide shuffles).
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ RowStats row_stats(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
-                                              const float (&mean)[kChunkElems], const float (&dot_w)[kChunkElems]) {
-  using Shape = QuantRowShape<kHeadDim>;
-  if (p.dot_vec != nullptr) {  // uniform across the launch, so every lane joins the shuffles
-    float dot = 0.f;
+// The max |x| bits of the lane's part of a row.
+template <typename Elem>
+__device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
+  uint32_t bits = 0;
 #pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) dot += centered(r, e8, mean, e) * dot_w[e];
-    dot = group_reduce<Shape::kLanes>(dot, [](float a, float b) { return a + b; });
-    if (r.active && chunk == 0) p.row_dot[r.row] = dot;
-  }
-  RowStats st{0.f, true};
-  int finite = 1;
-#pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) {
-    const float x = centered(r, e8, mean, e);
-    st.amax = fmaxf(st.amax, fabsf(x));
-    finite &= isfinite(x) ? 1 : 0;
-  }
-  st.amax = group_reduce<Shape::kLanes>(st.amax, [](float a, float b) { return fmaxf(a, b); });
-  st.finite = group_reduce<Shape::kLanes>(finite, [](int a, int b) { return a & b; });
-  return st;
+  for (int e = 0; e < kChunkElems; ++e) bits = max(bits, abs_bits(centered(r, e8, mean, e)));
+  return bits;
 }
 
-// K's scale blocks: every row's amax (and finiteness) becomes its block's. A warp's rows lie in one
-// block (QuantRowShape), so: over the warp's row passes, over its row groups, then over the block's
-// warps through shared memory. Padding rows hold zeros and take part harmlessly.
+// row_dot[row] = (x - mean) . dot_w over the lane group's row. Every lane takes part (warp-wide shuffles).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void store_row_dot(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
+                                              const float (&mean)[kChunkElems], const float (&dot_w)[kChunkElems]) {
+  float dot = 0.f;
+#pragma unroll
+  for (int e = 0; e < kChunkElems; ++e) dot += centered(r, e8, mean, e) * dot_w[e];
+  dot = group_reduce<QuantRowShape<kHeadDim>::kLanes>(dot, [](float a, float b) { return a + b; });
+  if (r.active && chunk == 0) p.row_dot[r.row] = dot;
+}
+
+// K's scale blocks: every row's max |x| bits become its block's. All rows of a warp lie in one block
+// (QuantRowShape), so: over the thread's rows, over the whole warp, then over the block's warps through
+// shared memory. Padding rows hold zeros and take part harmlessly.
 template <int kHeadDim>
-__device__ __forceinline__ void reduce_over_scale_block(RowStats (&st)[kRowIters]) {
-  using Shape = QuantRowShape<kHeadDim>;
-  constexpr int kWarpsPerScale = kKeyScaleTokens / Shape::kRowsPerWarpPass;
-  float amax = 0.f;
-  int finite = 1;
+__device__ __forceinline__ void reduce_over_scale_block(uint32_t (&max_bits)[kRowIters]) {
+  constexpr int kWarpsPerScale = kKeyScaleTokens / QuantRowShape<kHeadDim>::kRowsPerWarpPass;
+  uint32_t bits = 0;
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) {
-    amax = fmaxf(amax, st[it].amax);
-    finite &= st[it].finite ? 1 : 0;
-  }
-#pragma unroll
-  for (int offset = Shape::kLanes; offset < 32; offset *= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
-    finite &= __shfl_xor_sync(kFullMask, finite, offset);
-  }
-  __shared__ float warp_amax[kQuantWarps];
-  __shared__ int warp_finite[kQuantWarps];
+  for (int it = 0; it < kRowIters; ++it) bits = max(bits, max_bits[it]);
+  bits = group_reduce<32>(bits, UnsignedMax{});
+  __shared__ uint32_t warp_max_bits[kQuantWarps];
   const int warp = threadIdx.x / 32, first = warp / kWarpsPerScale * kWarpsPerScale;
-  if (threadIdx.x % 32 == 0) {
-    warp_amax[warp] = amax;
-    warp_finite[warp] = finite;
-  }
+  if (threadIdx.x % 32 == 0) warp_max_bits[warp] = bits;
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kWarpsPerScale; ++w) {
-    amax = fmaxf(amax, warp_amax[first + w]);
-    finite &= warp_finite[first + w];
-  }
+  for (int w = 0; w < kWarpsPerScale; ++w) bits = max(bits, warp_max_bits[first + w]);
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) {
-    st[it].amax = amax;
-    st[it].finite = finite != 0;
-  }
+  for (int it = 0; it < kRowIters; ++it) max_bits[it] = bits;
 }
 
 // Quantizes and stores the lane's 8 elements with its group's scale; the group's first row stores the scale.
 template <int kHeadDim, typename Elem>
 __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
-                                            const float (&mean)[kChunkElems], const RowStats& st) {
+                                            const float (&mean)[kChunkElems], uint32_t amax_bits) {
   if (!r.active) return;
-  const float prescale = quant::prescale_of(st.amax), inv_scale = quant::inv_scale_of(st.amax);
-  alignas(8) int8_t q8[kChunkElems];
+  const float amax = __uint_as_float(amax_bits);
+  const bool finite = amax_bits < kInfBits;
+  float x[kChunkElems];
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) q8[e] = quant::quantize(centered(r, e8, mean, e) * prescale, inv_scale);
+  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
+  const float prescale = quant::prescale_of(amax), inv_scale = quant::inv_scale_of(amax);
+  if (prescale != 1.f) {  // rare (bf16 groups with amax below 2^-64): no multiply in the common case
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) x[e] *= prescale;
+  }
+  // A group holding a non-finite value stores zeros (its scale is NaN), as reference.py does.
+  const uint2 q8 = finite ? make_uint2(quant::quantize4(x, inv_scale), quant::quantize4(x + 4, inv_scale)) : make_uint2(0, 0);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
-  *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = *reinterpret_cast<const uint2*>(q8);
+  *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = q8;
   if (chunk == 0 && r.n % p.tokens_per_scale == 0) {
     const int64_t groups = ceil_div(p.seqlen_pad, p.tokens_per_scale);
-    p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / p.tokens_per_scale] =
-        quant::scale_of(st.amax, p.out_scale, st.finite);
+    p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / p.tokens_per_scale] = quant::scale_of(amax, p.out_scale, finite);
   }
 }
 
@@ -223,12 +209,20 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const Quanti
       load_channels(p.dot_vec + dot_row * kHeadDim + chunk * kChunkElems, dot_w);
     }
   }
-  RowStats st[kRowIters];
+  uint32_t max_bits[kRowIters];
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) st[it] = row_stats<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);
-  if (p.tokens_per_scale != 1) reduce_over_scale_block<kHeadDim>(st);  // uniform: the barrier is safe
+  for (int it = 0; it < kRowIters; ++it) {
+    if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);  // uniform
+    max_bits[it] = chunk_max_bits(rows[it], e8[it], mean);
+  }
+  if (p.tokens_per_scale == 1) {  // per token: over the row's lanes
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, e8[it], mean, st[it]);
+    for (int it = 0; it < kRowIters; ++it) max_bits[it] = group_reduce<Shape::kLanes>(max_bits[it], UnsignedMax{});
+  } else {
+    reduce_over_scale_block<kHeadDim>(max_bits);  // uniform: the barrier is safe
+  }
+#pragma unroll
+  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, e8[it], mean, max_bits[it]);
 }
 
 // Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one

@@ -134,15 +134,19 @@ def test_quantize_matches_reference(ai8, layout, dtype, with_mean, tokens_per_sc
 
 @pytest.mark.parametrize("tokens_per_scale", [1, 64])
 def test_quantize_non_finite_rows(ai8, tokens_per_scale):
-    """A non-finite value gives its row's (per token) or its block's (per 64 keys) scale NaN, no other."""
+    """A non-finite value gives its row's (per token) or its block's (per 64 keys) scale NaN, no other, and
+    that group zeros, as the reference; every other group matches the reference bit for bit."""
     x = torch.randn(1, 2, 140, 64, dtype=torch.float16, device="cuda")
     x[0, 0, 3, 7] = float("nan")
     x[0, 1, 129, 0] = -float("inf")
-    _, scale = ai8.quantize_int8(x, tokens_per_scale=tokens_per_scale)
+    x_q, scale = ai8.quantize_int8(x, tokens_per_scale=tokens_per_scale)
     assert scale.shape == (1, 2, -(-140 // tokens_per_scale))
     nan_groups = torch.zeros_like(scale, dtype=torch.bool)
     nan_groups[0, 0, 3 // tokens_per_scale] = nan_groups[0, 1, 129 // tokens_per_scale] = True
     assert torch.equal(scale.isnan(), nan_groups)
+    ref_q, ref_scale = ai8.reference.quantize_int8(x, tokens_per_scale=tokens_per_scale)
+    assert torch.equal(x_q, ref_q), (x_q != ref_q).nonzero()[:8].tolist()
+    assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))  # NaN bits too
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
