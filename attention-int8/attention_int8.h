@@ -112,6 +112,10 @@ struct TokenMeanParams {
   ElemType dtype;
 };
 
+// Token-sum blocks (256 threads) one SM holds at once, which their __launch_bounds__ guarantee (at most 64
+// registers a thread). The binding sizes the chunks to fill the GPU with one wave of them.
+constexpr int kTokenMeanBlocksPerSm = 4;
+
 __host__ __device__ constexpr int64_t token_mean_chunks(int64_t seqlen, int64_t rows_per_chunk) {
   return ceil_div(seqlen, rows_per_chunk);
 }

@@ -20,7 +20,7 @@ constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16
 constexpr int kRowIters = 4;    // row groups per warp
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMeanThreads = 256;
-constexpr int kMeanRowsInFlight = 4;  // rows each lane loads before adding them
+constexpr int kMeanRowsInFlight = 8;  // rows each lane loads before adding them
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
 // end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const Quanti
 // Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
 // row group per kLanes lanes, then adds the row groups' sums in a fixed order through shared memory.
 template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kMeanThreads) token_sum_partials_kernel(const TokenMeanParams p) {
+__global__ void __launch_bounds__(kMeanThreads, kTokenMeanBlocksPerSm) token_sum_partials_kernel(const TokenMeanParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   constexpr int kRowGroups = kMeanThreads / Shape::kLanes;
   const int b = blockIdx.z, h = blockIdx.y, lane_chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;

@@ -164,11 +164,12 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   return out;
 }
 
-// K's token mean [B, H, D] fp32 (launch_token_mean), with about two blocks of rows per SM.
+// K's token mean [B, H, D] fp32 (launch_token_mean). Chunks per head: as many as one wave of blocks on all
+// SMs takes, rounded down, since a second, partial wave would take as long as a full one (RESULTS.md v22).
 at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
   const Shape s = shape_of(x, layout);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = std::clamp<int64_t>((2 * sms + s.batch * s.heads - 1) / (s.batch * s.heads), 1, 64);
+  const int64_t wanted = std::clamp<int64_t>(ai8::kTokenMeanBlocksPerSm * sms / (s.batch * s.heads), 1, 64);
   const int64_t rows_per_chunk = round_up(ai8::ceil_div(s.seqlen, wanted), 64);
   at::Tensor partials = at::empty({s.batch, s.heads, ai8::token_mean_chunks(s.seqlen, rows_per_chunk), s.head_dim},
                                   x.options().dtype(at::kDouble));
