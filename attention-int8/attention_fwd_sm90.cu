@@ -183,6 +183,15 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
   return q;
 }
 
+// Key tiles that query rows below row_end see: all, or under the causal mask those up to the diagonal of
+// row_end - 1 (rows past seqlen_q count as the last row).
+template <typename Traits>
+__device__ __forceinline__ int visible_key_blocks(const AttentionParams& p, int row_end) {
+  int n_end = p.seqlen_kv;
+  if (p.causal) n_end = max(0, min(n_end, min(row_end, p.seqlen_q) + p.seqlen_kv - p.seqlen_q));
+  return (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
+}
+
 // The producer: one thread issues every copy of the CTA (K and V per tile; consumers load K's scale).
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
@@ -234,9 +243,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
 
   const int causal_offset = p.seqlen_kv - p.seqlen_q;  // query i sees key j iff j <= i + causal_offset
-  int n_end = p.seqlen_kv;
-  if (p.causal) n_end = max(0, min(n_end, min(m0 + BM, p.seqlen_q) + causal_offset));
-  const int n_blocks = (n_end + BN - 1) / BN;
+  const int n_blocks = visible_key_blocks<Traits>(p, m0 + BM);  // the tiles the producer streams
 
   // A consumer warp owns 16 query rows from warp_row0; a thread, rows group and group + 8 of them (its
   // accumulator rows). Their Q loads go out first, so the set-up below runs under their latency.
@@ -406,9 +413,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int j = 0; j < 4; ++j) p_frag[kk][j] = ptx::pack2<Elem>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
   };
 
-  // Tiles that need no mask come first: the key-length tail and the causal diagonal are at the end.
-  int n_unmasked = min(n_blocks, p.seqlen_kv / BN);
-  if (p.causal) n_unmasked = min(n_unmasked, max(0, (m0 + causal_offset + 1) / BN));
+  // This warpgroup's own tiles: under the causal mask, up to its last row's diagonal (the CTA streams up to
+  // the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no mask come first, up to its
+  // first row's diagonal: the key-length tail and the causal diagonal are at the end.
+  const int first_row = m0 + consumer * 64;
+  const int n_own = visible_key_blocks<Traits>(p, first_row + 64);
+  int n_unmasked = min(n_own, p.seqlen_kv / BN);
+  if (p.causal) n_unmasked = min(n_unmasked, max(0, (first_row + causal_offset + 1) / BN));
   using True = std::true_type;
   using False = std::false_type;
 
@@ -417,21 +428,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // turn to the next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes
     // one last turn at the end, so arrivals and waits match on every barrier.
     if (consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
-    if (n_unmasked > 0) {
-      step(0, True{}, False{});
-    } else {
-      step(0, True{}, True{});
+    if (n_own > 0) {
+      if (n_unmasked > 0) {
+        step(0, True{}, False{});
+      } else {
+        step(0, True{}, True{});
+      }
     }
     for (int n_block = 1; n_block < n_unmasked; ++n_block) step(n_block, False{}, False{});
-    for (int n_block = max(1, n_unmasked); n_block < n_blocks; ++n_block) step(n_block, False{}, True{});
+    for (int n_block = max(1, n_unmasked); n_block < n_own; ++n_block) step(n_block, False{}, True{});
+    // The tiles past this warpgroup's rows are masked for all of them: only its turns, so the others get
+    // the tensor cores sooner. Nothing to release: a stage is reused kStages tiles later, past n_blocks.
+    static_assert(Traits::kStages >= Traits::kConsumers, "stages past a consumer's own tiles are never reused");
+    for (int n_block = n_own; n_block < n_blocks; ++n_block) {
+      sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
+      sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
+    }
 
-    // The last tile's P V (its stage needs no release: the producer is done).
-    wait_v(n_blocks - 1);
-    wgmma::fence_operands(o_acc);
-    wgmma::fence();
-    issue_pv(n_blocks - 1);
-    wgmma::wait_group<0>();
-    wgmma::fence_operands(o_acc);
+    if (n_own > 0) {  // the last own tile's P V (its stage needs no release either)
+      wait_v(n_own - 1);
+      wgmma::fence_operands(o_acc);
+      wgmma::fence();
+      issue_pv(n_own - 1);
+      wgmma::wait_group<0>();
+      wgmma::fence_operands(o_acc);
+    }
     if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kTurnThreads);
   }
 
