@@ -57,12 +57,16 @@ struct RowChunk {
   bool has_data;  // rows in [seqlen, seqlen_pad) are padding: zeros, scale 0
 };
 
-template <int kHeadDim>
+// kPartial: the block may hold padding rows or idle lanes. Otherwise active and has_data are compile-time
+// true, and every check on them folds away.
+template <int kHeadDim, bool kPartial>
 __device__ __forceinline__ RowChunk locate(const QuantizeParams& p, int n, int chunk) {
   const int b = blockIdx.z, h = blockIdx.y;
-  RowChunk r{(int64_t(b) * p.heads + h) * p.seqlen_pad + n, b, h, n,
-             n < p.seqlen_pad && chunk < QuantRowShape<kHeadDim>::kChunks, false};
-  r.has_data = r.active && n < p.seqlen;
+  RowChunk r{(int64_t(b) * p.heads + h) * p.seqlen_pad + n, b, h, n, true, true};
+  if constexpr (kPartial) {
+    r.active = n < p.seqlen_pad && chunk < QuantRowShape<kHeadDim>::kChunks;
+    r.has_data = r.active && n < p.seqlen;
+  }
   return r;
 }
 
@@ -188,8 +192,8 @@ __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowCh
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
 // memory-bound kernel needs those bytes in flight, and the registers they need are few (raw 16-byte
 // chunks; no fp32 copy of the rows is kept).
-template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const QuantizeParams p) {
+template <int kHeadDim, typename Elem, bool kPartial>
+__device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
   const int first_n = (blockIdx.x * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarpPass + lane / Shape::kLanes;
@@ -197,7 +201,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const Quanti
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) {
-    rows[it] = locate<kHeadDim>(p, first_n + it * Shape::kRowsPerWarp, chunk);
+    rows[it] = locate<kHeadDim, kPartial>(p, first_n + it * Shape::kRowsPerWarp, chunk);
     load_chunk(p, rows[it], chunk, e8[it]);
   }
   float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
@@ -223,6 +227,19 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_kernel(const Quanti
   }
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, e8[it], mean, max_bits[it]);
+}
+
+// All blocks but a head's last hold whole rows of data (and D = 64 / 128 leave no lane idle): they take
+// the path without per-row checks, which saves selects on every element of an issue-bound kernel.
+template <int kHeadDim, typename Elem>
+__global__ void __launch_bounds__(kQuantWarps * 32, 4) quantize_kernel(const QuantizeParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
+  if (whole) {
+    quantize_block<kHeadDim, Elem, false>(p);
+  } else {
+    quantize_block<kHeadDim, Elem, true>(p);
+  }
 }
 
 // Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
