@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "ptx.cuh"
+
 namespace attention_int8 {
 namespace quant {
 
@@ -35,7 +37,7 @@ __device__ __forceinline__ float inv_scale_of(float amax) {
 __device__ __forceinline__ uint32_t quantize4(const float* x, float inv_scale) {
   uint32_t b[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) b[e] = __float_as_uint(__fadd_rn(__fmul_rn(x[e], inv_scale), 12582912.f));
+  for (int e = 0; e < 4; ++e) b[e] = __float_as_uint(__fadd_rn(__fmul_rn(x[e], inv_scale), ptx::kSmallIntMagic));
   return __byte_perm(__byte_perm(b[0], b[1], 0x0040), __byte_perm(b[2], b[3], 0x0040), 0x5410);
 }
 

@@ -18,6 +18,8 @@ namespace {
 constexpr int kQuantWarps = 8;
 constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16-byte load
 constexpr int kRowIters = 4;    // row groups per warp
+// Quantizer blocks per SM: holds its two paths (quantize_kernel) to 64 registers; unbounded they took 77.
+constexpr int kQuantBlocksPerSm = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMeanThreads = 256;
 constexpr int kMeanRowsInFlight = 8;  // rows each lane loads before adding them
@@ -232,7 +234,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
 // All blocks but a head's last hold whole rows of data (and D = 64 / 128 leave no lane idle): they take
 // the path without per-row checks, which saves selects on every element of an issue-bound kernel.
 template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kQuantWarps * 32, 4) quantize_kernel(const QuantizeParams p) {
+__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
   if (whole) {
