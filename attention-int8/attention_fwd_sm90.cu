@@ -275,12 +275,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   if (warpgroup == 0) {
     sm90::release_registers<Traits::kProducerRegs>();
-    if (tid == 0)
+    if (tid == 0) {
+      ptx::wait_for_predecessor();  // K and its scales come from the quantizer
       produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, &v_map, head_kv, batch, n_blocks);
+    }
     return;
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
 
+  ptx::wait_for_predecessor();  // before k_mean, K's scales and any global write (dispatch.cuh's launch())
   const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, tig);
   const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them.

@@ -67,6 +67,9 @@ struct QuantizeParams {
   // order of swizzle.cuh (D-byte rows), the shared-memory image the sm90 kernel's wgmma reads, so it
   // loads tiles with plain contiguous copies.
   bool sm90_layout;
+  // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): the token
+  // mean's, whose output is `mean`.
+  bool programmatic_launch;
 };
 
 // O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. K comes from the quantizer above
@@ -94,6 +97,7 @@ struct AttentionParams {
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
   bool sm90;              // K quantized with sm90_layout, Q in q_input: run the Hopper kernel
+  bool programmatic_launch;  // start under the K quantizer's tail (sm_90+, dispatch.cuh)
   ElemType dtype;
 };
 
@@ -110,6 +114,7 @@ struct TokenMeanParams {
   float* mean;       // [B, H, D]
   int batch, heads, seqlen, head_dim, rows_per_chunk;
   ElemType dtype;
+  bool programmatic_launch;  // the second launch starts under the first one's tail (sm_90+, dispatch.cuh)
 };
 
 // Token-sum blocks (256 threads) one SM holds at once, which their __launch_bounds__ guarantee (at most 64

@@ -30,6 +30,24 @@ cudaError_t dispatch_elem(ElemType dtype, F&& f) {
   }
 }
 
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the stream's previous kernel
+// when `dependent` (sm_90+ only: it may then start early and must call ptx::wait_for_predecessor()).
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool dependent,
+                   const Args&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = dependent ? &attribute : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 // Launches an attention kernel over (query blocks, heads, batch) with the dynamic shared memory its
 // traits ask for (above 48 KB only after cudaFuncSetAttribute raises the kernel's limit). Query blocks are
 // the fastest grid dimension, so the CTAs running at one time share one or two heads, whose K and V stay in
@@ -41,8 +59,7 @@ cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cud
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, extra...);
-  return cudaGetLastError();
+  return launch(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, p.programmatic_launch, p, extra...);
 }
 
 }  // namespace attention_int8

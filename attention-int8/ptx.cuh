@@ -19,6 +19,24 @@
 namespace attention_int8 {
 namespace ptx {
 
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization (launch() in dispatch.cuh) may start while the previous
+// kernel in the stream is still running. wait_for_predecessor() returns once that kernel has completed and its
+// writes are visible: a dependent calls it before reading the predecessor's output and before any global
+// write (the caching allocator may have handed it memory the predecessor still reads). allow_dependents() lets
+// the next kernel launch before this one has finished.
+__device__ __forceinline__ void wait_for_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }

@@ -9,6 +9,7 @@
 
 #include "attention_int8.h"
 #include "dispatch.cuh"
+#include "ptx.cuh"
 #include "quant_math.cuh"
 #include "swizzle.cuh"
 
@@ -237,6 +238,8 @@ template <int kHeadDim, typename Elem>
 __global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
+  ptx::allow_dependents();      // the attention kernel may take the SMs this grid's last wave frees
+  ptx::wait_for_predecessor();  // the token mean (a no-op unless launched as its dependent)
   if (whole) {
     quantize_block<kHeadDim, Elem, false>(p);
   } else {
@@ -251,6 +254,7 @@ __global__ void __launch_bounds__(kMeanThreads, kTokenMeanBlocksPerSm) token_sum
   using Shape = QuantRowShape<kHeadDim>;
   constexpr int kRowGroups = kMeanThreads / Shape::kLanes;
   const int b = blockIdx.z, h = blockIdx.y, lane_chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
+  ptx::allow_dependents();  // the finishing pass launches now and waits for this grid's sums
   const int n_begin = blockIdx.x * p.rows_per_chunk, n_end = min(p.seqlen, n_begin + p.rows_per_chunk);
   double sum[kChunkElems] = {};
   if (lane_chunk < Shape::kChunks) {
@@ -284,6 +288,8 @@ __global__ void __launch_bounds__(kMeanThreads, kTokenMeanBlocksPerSm) token_sum
 
 // Token mean, pass 2: one thread per channel adds the chunks' sums in order, divides, rounds once.
 __global__ void token_mean_finish_kernel(const TokenMeanParams p) {
+  ptx::allow_dependents();
+  ptx::wait_for_predecessor();  // the partial sums
   const int64_t bh = int64_t(blockIdx.z) * p.heads + blockIdx.y;
   const int d = threadIdx.x;
   double total = 0.0;
@@ -306,8 +312,7 @@ cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
     });
   });
   if (err != cudaSuccess) return err;
-  token_mean_finish_kernel<<<dim3(1, p.heads, p.batch), p.head_dim, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch(token_mean_finish_kernel, dim3(1, p.heads, p.batch), p.head_dim, 0, stream, p.programmatic_launch, p);
 }
 
 cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
@@ -319,8 +324,8 @@ cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
     constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
     const dim3 grid((p.seqlen_pad + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
-      quantize_kernel<decltype(head_dim)::value, decltype(elem)><<<grid, kQuantWarps * 32, 0, stream>>>(p);
-      return cudaGetLastError();
+      return launch(quantize_kernel<decltype(head_dim)::value, decltype(elem)>, grid, kQuantWarps * 32, 0, stream,
+                    p.programmatic_launch, p);
     });
   });
 }

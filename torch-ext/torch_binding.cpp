@@ -133,7 +133,8 @@ struct QuantizedRows {
 // multiple of row_multiple.
 QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
                        int64_t tokens_per_scale, int64_t row_multiple, cudaStream_t stream,
-                       const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false) {
+                       const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false,
+                       bool programmatic_launch = false) {
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -160,13 +161,14 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.out_scale = static_cast<float>(out_scale);
   params.dtype = elem_type_of(x);
   params.sm90_layout = sm90_layout;
+  params.programmatic_launch = programmatic_launch;
   check_cuda(ai8::launch_quantize(params, stream), "launching quantize");
   return out;
 }
 
 // K's token mean [B, H, D] fp32 (launch_token_mean). Chunks per head: as many as one wave of blocks on all
 // SMs takes, rounded down, since a second, partial wave would take as long as a full one (RESULTS.md v22).
-at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
+at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream, bool programmatic_launch) {
   const Shape s = shape_of(x, layout);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t wanted = std::clamp<int64_t>(ai8::kTokenMeanBlocksPerSm * sms / (s.batch * s.heads), 1, 64);
@@ -185,6 +187,7 @@ at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream) {
   params.head_dim = static_cast<int>(s.head_dim);
   params.rows_per_chunk = static_cast<int>(rows_per_chunk);
   params.dtype = elem_type_of(x);
+  params.programmatic_launch = programmatic_launch;
   check_cuda(ai8::launch_token_mean(params, stream), "launching token_mean");
   return mean;
 }
@@ -220,25 +223,26 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   if (out.numel() == 0) return {out, lse};
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
+  // Copies (if any) first: on Hopper the kernels after the token sum start under their predecessor's tail
+  // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
+  const at::Tensor v_rows = readable_in_place(v, layout, sm90);
+  const at::Tensor q_rows = sm90 ? readable_in_place(q, layout, sm90) : q;
   // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
   // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
   std::optional<at::Tensor> k_mean;
-  if (smooth_k && sk.seqlen > 0) k_mean = token_mean(k, layout, stream);
+  if (smooth_k && sk.seqlen > 0) k_mean = token_mean(k, layout, stream, /*programmatic_launch=*/sm90);
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
   // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back
   // (the sm90 kernel does it itself, the portable path from the quantizer's row_dot).
   const bool lse_shift = with_lse && k_mean.has_value();
-  const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
   const double q_out_scale = scale * kLog2e;
-  const QuantizedRows k_q =
-      quantize(k, layout, k_mean, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90);
-  const at::Tensor v_rows = readable_in_place(v, layout, sm90);
+  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
+                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_mean.has_value());
 
   ai8::AttentionParams params{};
   QuantizedRows q_q;
-  at::Tensor q_rows;
   if (sm90) {  // the kernel quantizes its Q tiles itself
-    q_rows = readable_in_place(q, layout, sm90);
     params.q_input = q_rows.data_ptr();
     params.q_view = view_of(q_rows, layout);
     params.q_out_scale = static_cast<float>(q_out_scale);
@@ -267,6 +271,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.head_dim = static_cast<int>(sq.head_dim);
   params.causal = is_causal;
   params.sm90 = sm90;
+  // The K quantizer ran just before (its launch is skipped only without keys).
+  params.programmatic_launch = sm90 && sk.seqlen > 0;
   params.dtype = elem_type_of(q);
   check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
   if (lse_shift && !sm90) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
