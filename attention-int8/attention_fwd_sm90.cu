@@ -141,18 +141,14 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
   float inv_scale[2], prescale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float amax = 0.f;
-    bool finite = true;
+    uint32_t amax_bits = 0;  // the row's amax and finiteness at once (quant::abs_bits)
 #pragma unroll
-    for (int i = 0; i < kPerRow; ++i) {
-      amax = fmaxf(amax, fabsf(x[r][i]));
-      finite = finite && isfinite(x[r][i]);
-    }
+    for (int i = 0; i < kPerRow; ++i) amax_bits = max(amax_bits, quant::abs_bits(x[r][i]));
 #pragma unroll
-    for (int lanes = 1; lanes <= 2; lanes *= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, lanes));
-      finite = __shfl_xor_sync(0xffffffffu, int(finite), lanes) && finite;
-    }
+    for (int lanes = 1; lanes <= 2; lanes *= 2)  // the quad holds the row
+      amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, lanes));
+    const float amax = __uint_as_float(amax_bits);
+    const bool finite = amax_bits < quant::kInfBits;
     inv_scale[r] = quant::inv_scale_of(amax);
     prescale[r] = quant::prescale_of(amax);
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);

@@ -18,6 +18,16 @@
 namespace attention_int8 {
 namespace quant {
 
+// A group's amax and finiteness in one integer: |x| as unsigned bits orders like |x| for every finite x, and
+// every infinity or NaN lies above every finite value. So one integer max over the group's |x| bits (one
+// reduction, not one for the amax and one for finiteness) is the amax's bits when below kInfBits.
+constexpr uint32_t kInfBits = 0x7f800000u;
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+struct UnsignedMax {
+  __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return max(a, b); }
+};
+
 // A group quantizes x * prescale_of(amax): 1, or 2^64 when amax is below 2^-64 (bf16 only), since 127 / amax
 // overflows fp32 below ~3.7e-37. Scaling by a power of two is exact, so this changes no result that was finite.
 __device__ __forceinline__ float prescale_of(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.f; }

@@ -114,22 +114,12 @@ __device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kC
   return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
 }
 
-// A group's amax and finiteness in one integer: |x| as unsigned bits orders like |x| for every finite x, and
-// every infinity or NaN lies above every finite value. So one integer max over the group's |x| bits (one
-// reduction, not one for the amax and one for finiteness) is the amax's bits when below kInfBits.
-constexpr uint32_t kInfBits = 0x7f800000u;
-__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-struct UnsignedMax {
-  __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return max(a, b); }
-};
-
 // The max |x| bits of the lane's part of a row.
 template <typename Elem>
 __device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
   uint32_t bits = 0;
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) bits = max(bits, abs_bits(centered(r, e8, mean, e)));
+  for (int e = 0; e < kChunkElems; ++e) bits = max(bits, quant::abs_bits(centered(r, e8, mean, e)));
   return bits;
 }
 
@@ -153,7 +143,7 @@ __device__ __forceinline__ void reduce_over_scale_block(uint32_t (&max_bits)[kRo
   uint32_t bits = 0;
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) bits = max(bits, max_bits[it]);
-  bits = group_reduce<32>(bits, UnsignedMax{});
+  bits = group_reduce<32>(bits, quant::UnsignedMax{});
   __shared__ uint32_t warp_max_bits[kQuantWarps];
   const int warp = threadIdx.x / 32, first = warp / kWarpsPerScale * kWarpsPerScale;
   if (threadIdx.x % 32 == 0) warp_max_bits[warp] = bits;
@@ -170,7 +160,7 @@ __device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowCh
                                             const float (&mean)[kChunkElems], uint32_t amax_bits) {
   if (!r.active) return;
   const float amax = __uint_as_float(amax_bits);
-  const bool finite = amax_bits < kInfBits;
+  const bool finite = amax_bits < quant::kInfBits;
   float x[kChunkElems];
 #pragma unroll
   for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
@@ -224,7 +214,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   }
   if (p.tokens_per_scale == 1) {  // per token: over the row's lanes
 #pragma unroll
-    for (int it = 0; it < kRowIters; ++it) max_bits[it] = group_reduce<Shape::kLanes>(max_bits[it], UnsignedMax{});
+    for (int it = 0; it < kRowIters; ++it) max_bits[it] = group_reduce<Shape::kLanes>(max_bits[it], quant::UnsignedMax{});
   } else {
     reduce_over_scale_block<kHeadDim>(max_bits);  // uniform: the barrier is safe
   }
