@@ -65,7 +65,8 @@ struct AttentionKernelTraits {
 // Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
 // one warp per other consumer. Three consumers put three softmax warps on every scheduler; their
-// registers (160 a thread) then only fit 64-key S and P tiles.
+// registers (160 a thread) then only fit 64-key S and P tiles. Four consumers (D = 64, 112 registers) measured
+// 16-20% slower at N >= 4096 (benchmarks/RESULTS.md, v27).
 template <int kHeadDim_, typename Elem_, int kConsumers_ = 3, int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
@@ -80,10 +81,15 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;
-  // setmaxnreg budget (multiples of 8): the producer keeps 24, the consumers share the rest.
+  // setmaxnreg budget (multiples of 8): the producer keeps 24, the consumers share the rest of the CTA's pool,
+  // which is what the launch allocated: kThreads x the per-thread count __launch_bounds__ allows (64K / kThreads
+  // in steps of 8), not the SM's 64K. A claim beyond the pool never returns (setmaxnreg.inc waits for registers
+  // that never free up): 640 threads get 96 a thread, 61440 in all, so four consumers can claim 112, not 120.
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / (kConsumers * 128) / 8 * 8;
+  static constexpr int kConsumerRegs = (kLaunchRegs * kThreads - 128 * kProducerRegs) / (kConsumers * 128) / 8 * 8;
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kLaunchRegs * kThreads, "claims exceed the pool");
   static constexpr int kStages = kStages_;
 
   static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
