@@ -79,10 +79,11 @@ constexpr int kTurnBarrier = 1;
 constexpr int kTurnThreads = 2 * 128;
 
 // Tile j of the key loop lives in stage j % kStages; its barriers' phase flips on every pass over the stages.
+// (Unsigned: a signed division would add its rounding fix-ups to every step.)
 template <typename Traits>
-__device__ __forceinline__ int stage_of(int n_block) { return n_block % Traits::kStages; }
+__device__ __forceinline__ int stage_of(int n_block) { return int(uint32_t(n_block) % Traits::kStages); }
 template <typename Traits>
-__device__ __forceinline__ uint32_t phase_of(int n_block) { return (n_block / Traits::kStages) & 1; }
+__device__ __forceinline__ uint32_t phase_of(int n_block) { return (uint32_t(n_block) / Traits::kStages) & 1; }
 
 // A consumer's share of its warpgroup's 64 Q rows, quantized per token in registers with the
 // quantizer's arithmetic (quant_math.cuh) straight into the s8 wgmma's A fragments, where Q stays for
@@ -282,9 +283,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   ptx::wait_for_predecessor();  // before k_mean, K's scales and any global write (dispatch.cuh's launch())
   const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, tig);
   const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);  // one per key tile
-  // Operand descriptors of stage 0; steps and stages are offsets from them.
-  const uint64_t k_desc = wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0));
-  const uint64_t v_desc = wgmma::make_desc<128>(smem.v(0), Traits::kSmemVBoxBytes, 8 * 128);
+  // Operand descriptors of stage 0; steps and stages are offsets from them. Kept in registers for the whole
+  // loop: ptxas would otherwise rebuild both from the shared-window base in every step (16 instructions).
+  const uint64_t k_desc = ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0)));
+  const uint64_t v_desc = ptx::keep_in_register(wgmma::make_desc<128>(smem.v(0), Traits::kSmemVBoxBytes, 8 * 128));
 
   float o_acc[kORegs];
 #pragma unroll

@@ -37,6 +37,13 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// x, with its origin hidden from the compiler, which then keeps a loop-invariant value in a register instead of
+// recomputing it from its inputs in every iteration (rematerialization).
+__device__ __forceinline__ uint64_t keep_in_register(uint64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
