@@ -76,6 +76,16 @@ __device__ __forceinline__ int32_t accumulator_row_max(const int32_t (&s)[kRegs]
   return v[0];
 }
 
+// x[r] = op over the 4 lanes of the thread's quad (xor shuffles 1 and 2), which together hold the thread's rows of
+// an accumulator (or Q fragment). Both rows' shuffles interleave, so neither waits on the other's.
+template <typename T, typename Op>
+__device__ __forceinline__ void quad_reduce(T (&x)[2], Op op) {
+#pragma unroll
+  for (int lanes = 1; lanes <= 2; lanes *= 2)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) x[r] = op(x[r], __shfl_xor_sync(0xffffffffu, x[r], lanes));
+}
+
 // log2 units: the running max lags the true max by at most this, so P <= 2^8.
 constexpr float kRescaleSlack = 8.f;
 
@@ -145,17 +155,17 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
     }
   }
   QFragments<Traits> q;
+  uint32_t amax_bits[2] = {0, 0};  // each row's amax and finiteness at once (quant::abs_bits)
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < kPerRow; ++i) amax_bits[r] = max(amax_bits[r], quant::abs_bits(x[r][i]));
+  quad_reduce(amax_bits, quant::UnsignedMax{});
   float inv_scale[2], prescale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    uint32_t amax_bits = 0;  // the row's amax and finiteness at once (quant::abs_bits)
-#pragma unroll
-    for (int i = 0; i < kPerRow; ++i) amax_bits = max(amax_bits, quant::abs_bits(x[r][i]));
-#pragma unroll
-    for (int lanes = 1; lanes <= 2; lanes *= 2)  // the quad holds the row
-      amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, lanes));
-    const float amax = __uint_as_float(amax_bits);
-    const bool finite = amax_bits < quant::kInfBits;
+    const float amax = __uint_as_float(amax_bits[r]);
+    const bool finite = amax_bits[r] < quant::kInfBits;
     inv_scale[r] = quant::inv_scale_of(amax);
     prescale[r] = quant::prescale_of(amax);
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
@@ -164,13 +174,10 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
   if (p.lse != nullptr && p.k_mean != nullptr) {
     const float* mean = p.k_mean + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float dot = 0.f;
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < kPerRow; ++i) dot += x[r][i] * mean[16 * (i / 4) + i % 4];
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      q.mean_dot[r] = dot + __shfl_xor_sync(0xffffffffu, dot, 2);
-    }
+      for (int i = 0; i < kPerRow; ++i) q.mean_dot[r] += x[r][i] * mean[16 * (i / 4) + i % 4];
+    quad_reduce(q.mean_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -368,11 +375,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     }
     int32_t tile_max_int[2] = {accumulator_row_max<0>(s_int), accumulator_row_max<1>(s_int)};
-#pragma unroll
-    for (int lanes = 1; lanes <= 2; lanes *= 2)  // the 4 lanes of a quad share the rows
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        tile_max_int[r] = max(tile_max_int[r], __shfl_xor_sync(0xffffffffu, tile_max_int[r], lanes));
+    quad_reduce(tile_max_int, [](int32_t a, int32_t b) { return max(a, b); });
     float c[2], bias[2], alpha[2];
     uint32_t minus_max_bits[2];  // magic - S_max: S + this is the bit pattern of 1.5 * 2^23 + (S - S_max)
 #pragma unroll
