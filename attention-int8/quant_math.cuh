@@ -30,7 +30,8 @@ struct UnsignedMax {
 
 // A group quantizes x * prescale_of(amax): 1, or 2^64 when amax is below 2^-64 (bf16 only), since 127 / amax
 // overflows fp32 below ~3.7e-37. Scaling by a power of two is exact, so this changes no result that was finite.
-__device__ __forceinline__ float prescale_of(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.f; }
+constexpr float kPrescale = 0x1p64f;
+__device__ __forceinline__ float prescale_of(float amax) { return amax < 1.f / kPrescale ? kPrescale : 1.f; }
 
 // 127 / (amax * prescale_of(amax)) as an IEEE fp32 division (0 for an all-zero group), always finite:
 // x_q = round_half_even(x * prescale_of(amax) * inv_scale).

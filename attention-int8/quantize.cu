@@ -80,9 +80,18 @@ __device__ __forceinline__ const Elem* chunk_ptr(const void* base, const RowMajo
          chunk * kChunkElems;
 }
 
+// Whether every row of a view starts on a 16-byte boundary: one uniform test, so the common case loads
+// rows by 16-byte vector loads without a check per row.
 template <typename Elem>
+__device__ __forceinline__ bool rows_aligned(const void* x, const RowMajorView& v) {
+  constexpr int64_t kAlign = 16 / sizeof(Elem);
+  return reinterpret_cast<uintptr_t>(x) % 16 == 0 && v.batch_stride % kAlign == 0 && v.head_stride % kAlign == 0 &&
+         v.row_stride % kAlign == 0;
+}
+
+template <bool kAligned, typename Elem>
 __device__ __forceinline__ void load8(const Elem* x, Elem (&e8)[kChunkElems]) {
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  if constexpr (kAligned) {
     *reinterpret_cast<uint4*>(e8) = *reinterpret_cast<const uint4*>(x);
   } else {  // a strided view whose rows are not 16-byte aligned
 #pragma unroll
@@ -90,9 +99,19 @@ __device__ __forceinline__ void load8(const Elem* x, Elem (&e8)[kChunkElems]) {
   }
 }
 
+// One row's check instead of the view's (the token sums; a uniform test there costs registers).
 template <typename Elem>
+__device__ __forceinline__ void load8_checked(const Elem* x, Elem (&e8)[kChunkElems]) {
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    load8<true>(x, e8);
+  } else {
+    load8<false>(x, e8);
+  }
+}
+
+template <bool kAligned, typename Elem>
 __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
-  if (r.has_data) load8(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
+  if (r.has_data) load8<kAligned>(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
 }
 
 // The lane's 8 channels of a per-head fp32 vector (the token mean or the row_dot weights): loaded once
@@ -107,20 +126,26 @@ __device__ __forceinline__ void load_channels(const float* x, float (&c8)[kChunk
   }
 }
 
-// Element e of the lane's part of a row, as fp32 with the mean subtracted. Recomputed where needed
-// rather than kept: the raw 16 bytes take 4 registers, the fp32 values 8.
+// Element e of the lane's part of a row, as fp32 with the mean subtracted.
 template <typename Elem>
 __device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems], int e) {
   return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
 }
 
-// The max |x| bits of the lane's part of a row.
-template <typename Elem>
-__device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
+// The max |x| bits of 8 values, and of the lane's part of a row.
+__device__ __forceinline__ uint32_t values_max_bits(const float (&x)[kChunkElems]) {
   uint32_t bits = 0;
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) bits = max(bits, quant::abs_bits(centered(r, e8, mean, e)));
+  for (int e = 0; e < kChunkElems; ++e) bits = max(bits, quant::abs_bits(x[e]));
   return bits;
+}
+
+template <typename Elem>
+__device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
+  float x[kChunkElems];
+#pragma unroll
+  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
+  return values_max_bits(x);
 }
 
 // row_dot[row] = (x - mean) . dot_w over the lane group's row. Every lane takes part (warp-wide shuffles).
@@ -138,7 +163,7 @@ __device__ __forceinline__ void store_row_dot(const QuantizeParams& p, const Row
 // (QuantRowShape), so: over the thread's rows, over the whole warp, then over the block's warps through
 // shared memory. Padding rows hold zeros and take part harmlessly.
 template <int kHeadDim>
-__device__ __forceinline__ void reduce_over_scale_block(uint32_t (&max_bits)[kRowIters]) {
+__device__ __forceinline__ uint32_t reduce_over_scale_block(const uint32_t (&max_bits)[kRowIters]) {
   constexpr int kWarpsPerScale = kKeyScaleTokens / QuantRowShape<kHeadDim>::kRowsPerWarpPass;
   uint32_t bits = 0;
 #pragma unroll
@@ -150,42 +175,60 @@ __device__ __forceinline__ void reduce_over_scale_block(uint32_t (&max_bits)[kRo
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kWarpsPerScale; ++w) bits = max(bits, warp_max_bits[first + w]);
-#pragma unroll
-  for (int it = 0; it < kRowIters; ++it) max_bits[it] = bits;
+  return bits;
 }
 
-// Quantizes and stores the lane's 8 elements with its group's scale; the group's first row stores the scale.
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void store_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
-                                            const float (&mean)[kChunkElems], uint32_t amax_bits) {
-  if (!r.active) return;
+// What a group's elements are multiplied by, from the group's amax as |x| bits (reduce_over_scale_block):
+// computed once per group, which in K's blocks is once per thread for all its rows.
+struct GroupScale {
+  float inv_scale;
+  bool finite, prescaled;
+};
+
+__device__ __forceinline__ GroupScale group_scale(uint32_t amax_bits) {
   const float amax = __uint_as_float(amax_bits);
-  const bool finite = amax_bits < quant::kInfBits;
-  float x[kChunkElems];
+  return {quant::inv_scale_of(amax), amax_bits < quant::kInfBits, quant::prescale_of(amax) != 1.f};
+}
+
+// Groups with amax below 2^-64 (bf16 only) are quantized from x * 2^64 (quant_math.cuh). Rare: a branch, so
+// the common case issues no multiply.
+template <int kRows>
+__device__ __forceinline__ void apply_prescale(const GroupScale& g, float (&x)[kRows][kChunkElems]) {
+  if (!g.prescaled) return;
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
-  const float prescale = quant::prescale_of(amax), inv_scale = quant::inv_scale_of(amax);
-  if (prescale != 1.f) {  // rare (bf16 groups with amax below 2^-64): no multiply in the common case
+  for (int it = 0; it < kRows; ++it)
 #pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) x[e] *= prescale;
-  }
+    for (int e = 0; e < kChunkElems; ++e) x[it][e] *= quant::kPrescale;
+}
+
+// Quantizes the lane's 8 centered (and prescaled) values x with its group's scale and stores them.
+template <int kHeadDim>
+__device__ __forceinline__ void store_values(const QuantizeParams& p, const RowChunk& r, int chunk, const float (&x)[kChunkElems],
+                                             const GroupScale& g) {
+  if (!r.active) return;
   // A group holding a non-finite value stores zeros (its scale is NaN), as reference.py does.
-  const uint2 q8 = finite ? make_uint2(quant::quantize4(x, inv_scale), quant::quantize4(x + 4, inv_scale)) : make_uint2(0, 0);
+  const uint2 q8 = g.finite ? make_uint2(quant::quantize4(x, g.inv_scale), quant::quantize4(x + 4, g.inv_scale)) : make_uint2(0, 0);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
   int byte_in_row = chunk * kChunkElems;
   if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
     if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = q8;
-  if (chunk == 0 && r.n % p.tokens_per_scale == 0) {
-    const int64_t groups = ceil_div(p.seqlen_pad, p.tokens_per_scale);
-    p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / p.tokens_per_scale] = quant::scale_of(amax, p.out_scale, finite);
-  }
+}
+
+// The group's first row stores its scale (one lane of it).
+template <int kTokensPerScale>
+__device__ __forceinline__ void store_scale(const QuantizeParams& p, const RowChunk& r, int chunk, uint32_t amax_bits) {
+  if (!r.active || chunk != 0 || r.n % kTokensPerScale != 0) return;
+  const int64_t groups = ceil_div(p.seqlen_pad, kTokensPerScale);
+  p.scale[(int64_t(r.b) * p.heads + r.h) * groups + r.n / kTokensPerScale] =
+      quant::scale_of(__uint_as_float(amax_bits), p.out_scale, amax_bits < quant::kInfBits);
 }
 
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
-// memory-bound kernel needs those bytes in flight, and the registers they need are few (raw 16-byte
-// chunks; no fp32 copy of the rows is kept).
-template <int kHeadDim, typename Elem, bool kPartial>
+// memory-bound kernel needs those bytes in flight, and it keeps them as raw 16-byte chunks (4 registers a
+// row, against 8 as fp32). The rows are the user's input, so they load before the wait for the
+// predecessor (under programmatic launch, while the token mean is still being finished).
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial>
 __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
@@ -193,47 +236,75 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   RowChunk rows[kRowIters];
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) {
-    rows[it] = locate<kHeadDim, kPartial>(p, first_n + it * Shape::kRowsPerWarp, chunk);
-    load_chunk(p, rows[it], chunk, e8[it]);
+  for (int it = 0; it < kRowIters; ++it) rows[it] = locate<kHeadDim, kPartial>(p, first_n + it * Shape::kRowsPerWarp, chunk);
+  if (rows_aligned<Elem>(p.x, p.x_view)) {
+#pragma unroll
+    for (int it = 0; it < kRowIters; ++it) load_chunk<true>(p, rows[it], chunk, e8[it]);
+  } else {
+#pragma unroll
+    for (int it = 0; it < kRowIters; ++it) load_chunk<false>(p, rows[it], chunk, e8[it]);
   }
+  ptx::wait_for_predecessor();  // the token mean (a no-op unless launched as its dependent)
   float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
   if (chunk < Shape::kChunks) {
     const int b = blockIdx.z, h = blockIdx.y;
     if (p.mean != nullptr) load_channels(p.mean + (int64_t(b) * p.heads + h) * kHeadDim + chunk * kChunkElems, mean);
-    if (p.dot_vec != nullptr) {
+    if (kTokensPerScale == 1 && p.dot_vec != nullptr) {
       const int64_t dot_row = int64_t(b) * (p.heads / p.dot_head_group) + h / p.dot_head_group;
       load_channels(p.dot_vec + dot_row * kHeadDim + chunk * kChunkElems, dot_w);
     }
   }
-  uint32_t max_bits[kRowIters];
+  if constexpr (kTokensPerScale == 1) {  // per token: one scale per row, over the row's lanes
+    uint32_t max_bits[kRowIters];
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) {
-    if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);  // uniform
-    max_bits[it] = chunk_max_bits(rows[it], e8[it], mean);
-  }
-  if (p.tokens_per_scale == 1) {  // per token: over the row's lanes
+    for (int it = 0; it < kRowIters; ++it) {
+      if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);  // uniform
+      max_bits[it] = chunk_max_bits(rows[it], e8[it], mean);
+    }
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) max_bits[it] = group_reduce<Shape::kLanes>(max_bits[it], quant::UnsignedMax{});
-  } else {
-    reduce_over_scale_block<kHeadDim>(max_bits);  // uniform: the barrier is safe
-  }
 #pragma unroll
-  for (int it = 0; it < kRowIters; ++it) store_chunk<kHeadDim>(p, rows[it], chunk, e8[it], mean, max_bits[it]);
+    for (int it = 0; it < kRowIters; ++it) {
+      const GroupScale g = group_scale(max_bits[it]);
+      float x[1][kChunkElems];
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) x[0][e] = centered(rows[it], e8[it], mean, e);
+      apply_prescale(g, x);
+      store_values<kHeadDim>(p, rows[it], chunk, x[0], g);
+      store_scale<kTokensPerScale>(p, rows[it], chunk, max_bits[it]);
+    }
+  } else {  // per key block: one scale for all the thread's rows, whose fp32 values (computed once) replace
+            // the raw chunks and the mean in registers
+    float x[kRowIters][kChunkElems];
+    uint32_t max_bits[kRowIters];
+#pragma unroll
+    for (int it = 0; it < kRowIters; ++it) {
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) x[it][e] = centered(rows[it], e8[it], mean, e);
+      max_bits[it] = values_max_bits(x[it]);
+    }
+    const uint32_t bits = reduce_over_scale_block<kHeadDim>(max_bits);
+    const GroupScale g = group_scale(bits);
+    apply_prescale(g, x);
+#pragma unroll
+    for (int it = 0; it < kRowIters; ++it) {
+      store_values<kHeadDim>(p, rows[it], chunk, x[it], g);
+      store_scale<kTokensPerScale>(p, rows[it], chunk, bits);
+    }
+  }
 }
 
 // All blocks but a head's last hold whole rows of data (and D = 64 / 128 leave no lane idle): they take
 // the path without per-row checks, which saves selects on every element of an issue-bound kernel.
-template <int kHeadDim, typename Elem>
+template <int kHeadDim, typename Elem, int kTokensPerScale>
 __global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p) {
   using Shape = QuantRowShape<kHeadDim>;
   const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
-  ptx::allow_dependents();      // the attention kernel may take the SMs this grid's last wave frees
-  ptx::wait_for_predecessor();  // the token mean (a no-op unless launched as its dependent)
+  ptx::allow_dependents();  // the attention kernel may take the SMs this grid's last wave frees
   if (whole) {
-    quantize_block<kHeadDim, Elem, false>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, false>(p);
   } else {
-    quantize_block<kHeadDim, Elem, true>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, true>(p);
   }
 }
 
@@ -255,7 +326,7 @@ __global__ void __launch_bounds__(kMeanThreads, kTokenMeanBlocksPerSm) token_sum
 #pragma unroll
       for (int u = 0; u < kMeanRowsInFlight; ++u)
         if (n0 + u * kRowGroups < n_end)
-          load8(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
+          load8_checked(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
 #pragma unroll
       for (int u = 0; u < kMeanRowsInFlight; ++u)
 #pragma unroll
@@ -309,13 +380,16 @@ cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
   if (p.sm90_layout && !sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
   if (p.tokens_per_scale != 1 && p.tokens_per_scale != kKeyScaleTokens) return cudaErrorInvalidValue;
+  if (p.tokens_per_scale != 1 && p.dot_vec != nullptr) return cudaErrorInvalidValue;  // row_dot is per token
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-    constexpr int kRowsPerBlock = QuantRowShape<decltype(head_dim)::value>::kRowsPerBlock;
-    const dim3 grid((p.seqlen_pad + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    const dim3 grid(ceil_div(p.seqlen_pad, QuantRowShape<kHeadDim>::kRowsPerBlock), p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
-      return launch(quantize_kernel<decltype(head_dim)::value, decltype(elem)>, grid, kQuantWarps * 32, 0, stream,
-                    p.programmatic_launch, p);
+      using Elem = decltype(elem);
+      const auto kernel = p.tokens_per_scale == 1 ? quantize_kernel<kHeadDim, Elem, 1>
+                                                  : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens>;
+      return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p);
     });
   });
 }
