@@ -212,8 +212,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
 #pragma unroll
         for (int t = 0; t < Traits::kSTiles; ++t)
           tile_max = fmaxf(tile_max, fmaxf(s[mt][t][2 * r], s[mt][t][2 * r + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        tile_max = ptx::quad_reduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
         const float m_new = fmaxf(row_max[mt][r], tile_max);
         const float base = m_new == -INFINITY ? 0.f : m_new;
         const float alpha = ptx::exp2_approx(row_max[mt][r] - base);
@@ -269,9 +268,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float sum = ptx::quad_reduce(row_sum[mt][r], [](float a, float b) { return a + b; });
       // A row with no visible key has sum 0 and writes zeros; a NaN sum stays NaN.
       const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;
       const int row = m0 + row_in_tile[mt][r];

@@ -76,16 +76,6 @@ __device__ __forceinline__ int32_t accumulator_row_max(const int32_t (&s)[kRegs]
   return v[0];
 }
 
-// x[r] = op over the 4 lanes of the thread's quad (xor shuffles 1 and 2), which together hold the thread's rows of
-// an accumulator (or Q fragment). Both rows' shuffles interleave, so neither waits on the other's.
-template <typename T, typename Op>
-__device__ __forceinline__ void quad_reduce(T (&x)[2], Op op) {
-#pragma unroll
-  for (int lanes = 1; lanes <= 2; lanes *= 2)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) x[r] = op(x[r], __shfl_xor_sync(0xffffffffu, x[r], lanes));
-}
-
 // log2 units: the running max lags the true max by at most this, so P <= 2^8.
 constexpr float kRescaleSlack = 8.f;
 
@@ -160,7 +150,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int i = 0; i < kPerRow; ++i) amax_bits[r] = max(amax_bits[r], quant::abs_bits(x[r][i]));
-  quad_reduce(amax_bits, quant::UnsignedMax{});
+  ptx::quad_reduce(amax_bits, quant::UnsignedMax{});
   float inv_scale[2], prescale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -177,7 +167,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int i = 0; i < kPerRow; ++i) q.mean_dot[r] += x[r][i] * mean[16 * (i / 4) + i % 4];
-    quad_reduce(q.mean_dot, [](float a, float b) { return a + b; });
+    ptx::quad_reduce(q.mean_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -375,7 +365,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     }
     int32_t tile_max_int[2] = {accumulator_row_max<0>(s_int), accumulator_row_max<1>(s_int)};
-    quad_reduce(tile_max_int, [](int32_t a, int32_t b) { return max(a, b); });
+    ptx::quad_reduce(tile_max_int, [](int32_t a, int32_t b) { return max(a, b); });
     float c[2], bias[2], alpha[2];
     uint32_t minus_max_bits[2];  // magic - S_max: S + this is the bit pattern of 1.5 * 2^23 + (S - S_max)
 #pragma unroll

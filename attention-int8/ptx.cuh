@@ -37,6 +37,23 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// op over the 4 lanes of the thread's quad (xor shuffles 1, then 2), which together hold the rows of an mma
+// accumulator or fragment (the layouts above; wgmma's are the same per warp). The array form interleaves its
+// values' shuffles, so none waits on another's.
+template <typename T, typename Op>
+__device__ __forceinline__ T quad_reduce(T x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return op(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+template <int kN, typename T, typename Op>
+__device__ __forceinline__ void quad_reduce(T (&x)[kN], Op op) {
+#pragma unroll
+  for (int lanes = 1; lanes <= 2; lanes *= 2)
+#pragma unroll
+    for (int i = 0; i < kN; ++i) x[i] = op(x[i], __shfl_xor_sync(0xffffffffu, x[i], lanes));
+}
+
 // x, with its origin hidden from the compiler, which then keeps a loop-invariant value in a register instead of
 // recomputing it from its inputs in every iteration (rematerialization).
 __device__ __forceinline__ uint64_t keep_in_register(uint64_t x) {
