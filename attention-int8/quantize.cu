@@ -126,10 +126,17 @@ __device__ __forceinline__ void load_channels(const float* x, float (&c8)[kChunk
   }
 }
 
-// Element e of the lane's part of a row, as fp32 with the mean subtracted.
+// Element e of the lane's part of a row, as fp32 with the mean subtracted; and all 8 of them.
 template <typename Elem>
 __device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems], int e) {
   return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
+}
+
+template <typename Elem>
+__device__ __forceinline__ void centered_chunk(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems],
+                                               float (&x)[kChunkElems]) {
+#pragma unroll
+  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
 }
 
 // The max |x| bits of 8 values, and of the lane's part of a row.
@@ -143,8 +150,7 @@ __device__ __forceinline__ uint32_t values_max_bits(const float (&x)[kChunkElems
 template <typename Elem>
 __device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
   float x[kChunkElems];
-#pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
+  centered_chunk(r, e8, mean, x);
   return values_max_bits(x);
 }
 
@@ -267,8 +273,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     for (int it = 0; it < kRowIters; ++it) {
       const GroupScale g = group_scale(max_bits[it]);
       float x[1][kChunkElems];
-#pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) x[0][e] = centered(rows[it], e8[it], mean, e);
+      centered_chunk(rows[it], e8[it], mean, x[0]);
       apply_prescale(g, x);
       store_values<kHeadDim>(p, rows[it], chunk, x[0], g);
       store_scale<kTokensPerScale>(p, rows[it], chunk, max_bits[it]);
@@ -279,8 +284,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     uint32_t max_bits[kRowIters];
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) {
-#pragma unroll
-      for (int e = 0; e < kChunkElems; ++e) x[it][e] = centered(rows[it], e8[it], mean, e);
+      centered_chunk(rows[it], e8[it], mean, x[it]);
       max_bits[it] = values_max_bits(x[it]);
     }
     const uint32_t bits = reduce_over_scale_block<kHeadDim>(max_bits);
