@@ -292,7 +292,8 @@ cudaError_t launch_attention_forward(const AttentionParams& p, cudaStream_t stre
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       using Traits = AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>;
-      return launch_attention_kernel<Traits>(attention_fwd_kernel<Traits>, p, stream);
+      const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
+      return launch_attention_kernel<Traits>(attention_fwd_kernel<Traits>, grid, p, stream);
     });
   });
 }

@@ -15,6 +15,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -192,15 +193,65 @@ __device__ __forceinline__ int visible_key_blocks(const AttentionParams& p, int 
   return (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
 }
 
-// The producer: one thread issues every copy of the CTA (K and V per tile; consumers load K's scale).
+// The CTA's work: a tile of kBlockM query rows of one (batch, head) against key tiles [n_begin, n_end), all
+// it sees or, for a split tile, one range of them (TileSchedule). CTA i takes tile i as long as tiles are whole,
+// then the splits of each remaining tile in turn; the query block is the fastest index of a tile, counted
+// down, so under the causal mask the longest rows come first and the grid ends in its shortest tiles.
+struct WorkTile {
+  int m_block, head, batch;
+  int n_begin, n_end;
+  int64_t partial_row0;  // the split's first row in o_partial / row_stats; -1 for a whole tile
+};
+
+// In 32-bit unsigned arithmetic (the launcher keeps the grid below 2^31 CTAs): 64-bit divisions are
+// subroutine calls, and this runs ahead of the CTA's first Q loads.
+__device__ __forceinline__ uint32_t fast_div(uint32_t n, const FastDivisor& d) {
+  return (__umulhi(n, d.multiplier) + n) >> d.shift;
+}
+
+// Query block, head and batch of tile `tile` (TileSchedule's numbering; the query block counted down).
+struct TileCoords {
+  int m_block, head, batch;
+};
+__device__ __forceinline__ TileCoords tile_coords(const TileSchedule& sched, uint32_t tile) {
+  const uint32_t bh = fast_div(tile, sched.query_blocks), batch = fast_div(bh, sched.heads);
+  return {int(sched.query_blocks.divisor - 1 - (tile - bh * sched.query_blocks.divisor)),
+          int(bh - batch * sched.heads.divisor), int(batch)};
+}
+
+template <typename Traits>
+__device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, uint32_t cta) {
+  const TileSchedule& sched = p.schedule;
+  const uint32_t full_tiles = uint32_t(sched.full_tiles());
+  const bool split = cta >= full_tiles;
+  const uint32_t unit = cta - full_tiles, tile_of_unit = full_tiles + fast_div(unit, sched.splits);
+  const TileCoords c = tile_coords(sched, split ? tile_of_unit : cta);
+  WorkTile w;
+  w.m_block = c.m_block, w.head = c.head, w.batch = c.batch;
+  w.n_begin = 0;
+  w.n_end = visible_key_blocks<Traits>(p, (w.m_block + 1) * Traits::kBlockM);
+  w.partial_row0 = -1;
+  if (split) {  // never under the causal mask: the split's range is all its rows see
+    const uint32_t n_total = (uint32_t(p.seqlen_kv) + Traits::kBlockN - 1) / Traits::kBlockN;
+    const uint32_t s = unit - (tile_of_unit - full_tiles) * sched.splits.divisor;
+    w.n_begin = int(s * n_total / sched.splits.divisor);
+    w.n_end = int((s + 1) * n_total / sched.splits.divisor);
+    w.partial_row0 = int64_t(unit) * Traits::kBlockM;
+  }
+  return w;
+}
+
+// The producer: one thread issues every copy of the CTA (K and V per tile; consumers load K's scale). Tile j of
+// the stream is key tile n_begin + j.
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
-                                              const CUtensorMap* v_map, int head_kv, int batch, int n_blocks) {
+                                              const CUtensorMap* v_map, int head_kv, int batch, int n_begin,
+                                              int n_blocks) {
   constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
-    const int64_t n0 = int64_t(n_block) * BN;
+    const int64_t n0 = int64_t(n_begin + n_block) * BN;
     sm90::mbarrier_wait(smem.k_empty(stage), free_parity);
     sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
@@ -235,15 +286,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // Broadcast from lane 0 so the compiler sees a warp-uniform value: wgmma under a branch it thinks
   // divergent gets serialized (ptxas C7520).
   const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: better tail balance
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int m0 = m_block * BM;
+  const WorkTile work = work_tile<Traits>(p, blockIdx.x);
+  // The combine kernel (split tiles only) may take the SMs this grid's last wave frees.
+  if (p.schedule.split_tiles > 0) ptx::allow_dependents();
+  const int head = work.head, batch = work.batch;
+  const int head_kv = int(fast_div(uint32_t(head), p.schedule.head_group));
+  const int m0 = work.m_block * BM;
   const int64_t bh_q = int64_t(batch) * p.heads_q + head;
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
 
   const int causal_offset = p.seqlen_kv - p.seqlen_q;  // query i sees key j iff j <= i + causal_offset
-  const int n_blocks = visible_key_blocks<Traits>(p, m0 + BM);  // the tiles the producer streams
+  // The producer streams key tiles n_begin .. n_begin + n_blocks; the loop below counts them from 0 (stages
+  // and phases), absolute key positions only enter the mask and the addresses.
+  const int n_begin = work.n_begin, n_blocks = max(0, work.n_end - n_begin);
 
   // A consumer warp owns 16 query rows from warp_row0; a thread, rows group and group + 8 of them (its
   // accumulator rows). Their Q loads go out first, so the set-up below runs under their latency.
@@ -277,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0) {
       ptx::wait_for_predecessor();  // K and its scales come from the quantizer
-      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, &v_map, head_kv, batch, n_blocks);
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, &v_map, head_kv, batch, n_begin, n_blocks);
     }
     return;
   }
@@ -285,7 +340,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   ptx::wait_for_predecessor();  // before k_mean, K's scales and any global write (dispatch.cuh's launch())
   const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, tig);
-  const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);  // one per key tile
+  const float* k_scales = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens) + n_begin;  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them. Kept in registers for the whole
   // loop: ptxas would otherwise rebuild both from the shared-window base in every step (16 instructions).
   const uint64_t k_desc = ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem.k(0)));
@@ -322,7 +377,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   auto step = [&](int n_block, auto is_first, auto is_masked) {
     constexpr bool kFirst = decltype(is_first)::value, kMasked = decltype(is_masked)::value;
     const int stage = stage_of<Traits>(n_block);
-    const float k_scale = __ldg(k_scale_head + n_block);  // needed after the wgmma: its latency hides there
+    const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
     sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
     if constexpr (!kFirst) wait_v(n_block - 1);
     sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
@@ -360,7 +415,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if constexpr (kMasked) {
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
-        const int key = n_block * BN + col_of(i), row = rows[row_of(i)];
+        const int key = (n_begin + n_block) * BN + col_of(i), row = rows[row_of(i)];
         if (key >= p.seqlen_kv || (p.causal && key > row + causal_offset)) s_int[i] = kMaskedLogit;
       }
     }
@@ -414,9 +469,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no mask come first, up to its
   // first row's diagonal: the key-length tail and the causal diagonal are at the end.
   const int first_row = m0 + consumer * 64;
-  const int n_own = visible_key_blocks<Traits>(p, first_row + 64);
-  int n_unmasked = min(n_own, p.seqlen_kv / BN);
+  const int n_own = max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + 64)) - n_begin);
+  int n_unmasked = p.seqlen_kv / BN;
   if (p.causal) n_unmasked = min(n_unmasked, max(0, (first_row + causal_offset + 1) / BN));
+  n_unmasked = max(0, min(n_own, n_unmasked - n_begin));
   using True = std::true_type;
   using False = std::false_type;
 
@@ -458,11 +514,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // O goes through the warp's staging tile: straight from the accumulators, a warp's store would write
   // 16 bytes in each of 8 rows (4x the store instructions of whole 16-byte chunks, in half sectors),
   // and at short sequences that epilogue took ~5% of a CTA's time (RESULTS v19).
+  // A split tile's CTA writes its rows' fp32 O and statistics to the partial buffers instead, for the combine kernel
+  // (a quad's 8-byte stores fill whole 32-byte sectors there).
+  const bool partial = work.partial_row0 >= 0;
   char* o_tile = smem.o_tile(consumer * 4 + warp_in_group);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float sum = o_acc[Traits::kOutRegs + 2 * r];
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
+    const float lse_shift = p.sm_scale * q.mean_dot[r];
+    if (partial) {
+      if (rows[r] < p.seqlen_q) {
+        const int64_t partial_row = work.partial_row0 + (rows[r] - m0);
+        float* o_row = p.o_partial + partial_row * D;
+#pragma unroll
+        for (int i = 2 * r; i < Traits::kOutRegs; i += 4)
+          *reinterpret_cast<float2*>(o_row + 8 * (i / 4) + 2 * tig) = make_float2(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
+        if (tig == 0) p.row_stats[partial_row] = SplitRowStats{row_max[r], sum, lse_shift};
+      }
+      continue;
+    }
     char* tile_row = o_tile + (group + 8 * r) * Traits::kOStageRowBytes;
 #pragma unroll
     for (int i = 2 * r; i < Traits::kOutRegs; i += 4) {
@@ -471,9 +542,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
     if (p.lse != nullptr && tig == 0 && rows[r] < p.seqlen_q)
-      p.lse[bh_q * p.seqlen_q + rows[r]] =
-          sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + p.sm_scale * q.mean_dot[r];
+      p.lse[bh_q * p.seqlen_q + rows[r]] = sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + lse_shift;
   }
+  if (partial) return;
   __syncwarp();
   constexpr int kRowChunks = Traits::kORowBytes / 16;
   Elem* o_head = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride;
@@ -487,6 +558,59 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #else
   __trap();  // only the sm_90a build has wgmma; the host launches this kernel only on compute capability 9.0
 #endif
+}
+
+// Merges the splits of the split tiles (TileSchedule's formulas): D / 4 threads a query row, 4 channels each.
+// A NaN reaches O through l_s and O_s (fmaxf skips a NaN m, but l is NaN then too); a row without any visible
+// key gets zeros and -inf, as unsplit. Reads what the attention kernel just wrote, so through L2
+// (ld.global.cg), after waiting for it.
+template <typename Traits>
+__global__ void __launch_bounds__(128) combine_kv_splits_kernel(const AttentionParams p) {
+  using Elem = typename Traits::Elem;
+  constexpr float kLn2 = 0.6931471805599453f;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, kRowThreads = D / 4;
+  const TileSchedule& sched = p.schedule;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kRowThreads;  // of split_tiles * BM
+  const int col = threadIdx.x % kRowThreads * 4;
+  if (row >= sched.split_tiles * BM) return;
+  const int splits = int(sched.splits.divisor), row_in_tile = int(row % BM);
+  const TileCoords tile = tile_coords(sched, uint32_t(sched.full_tiles() + row / BM));
+  const int q_row = tile.m_block * BM + row_in_tile, head = tile.head, batch = tile.batch;
+  if (q_row >= p.seqlen_q) return;
+  const int64_t partial_row0 = row / BM * splits * BM + row_in_tile;  // split s: + s * BM
+
+  ptx::wait_for_predecessor();
+  SplitRowStats stats[kMaxKvSplits];
+  float max_log2 = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kMaxKvSplits; ++s) {
+    if (s < splits) {
+      const float* st = reinterpret_cast<const float*>(p.row_stats + partial_row0 + s * BM);
+      stats[s] = SplitRowStats{__ldcg(st), __ldcg(st + 1), __ldcg(st + 2)};
+    } else {
+      stats[s] = SplitRowStats{-INFINITY, 0.f, 0.f};
+    }
+    max_log2 = fmaxf(max_log2, stats[s].max_log2);
+  }
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float weight_sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kMaxKvSplits; ++s) {
+    if (s >= splits) break;
+    // A split without a visible key has l = 0 and m = -inf (M may be -inf as well).
+    const float w = stats[s].sum == 0.f ? 0.f : exp2f(stats[s].max_log2 - max_log2) * stats[s].sum;
+    const float4 o = __ldcg(reinterpret_cast<const float4*>(p.o_partial + (partial_row0 + s * BM) * D + col));
+    acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+    weight_sum += w;
+  }
+  const float inv = weight_sum == 0.f ? 0.f : 1.f / weight_sum;
+  Elem* o_row = static_cast<Elem*>(p.o) + batch * p.o_view.batch_stride + head * p.o_view.head_stride +
+                int64_t(q_row) * p.o_view.row_stride;
+  *reinterpret_cast<uint2*>(o_row + col) =
+      make_uint2(ptx::pack2<Elem>(acc.x * inv, acc.y * inv), ptx::pack2<Elem>(acc.z * inv, acc.w * inv));
+  if (p.lse != nullptr && col == 0)
+    p.lse[(int64_t(batch) * p.heads_q + head) * p.seqlen_q + q_row] =
+        weight_sum == 0.f ? -INFINITY : (max_log2 + log2f(weight_sum)) * kLn2 + stats[0].lse_shift;
 }
 
 // cuTensorMapEncodeTiled is a driver API function: taken through the runtime's entry-point query, so
@@ -532,6 +656,40 @@ cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
 
 }  // namespace
 
+// Split only when the grid's last wave would run at most half full: then `splits` = S / tail ways (capped)
+// fill it, and the wave takes 1 / splits of a tile's time plus each split's fixed cost (Q, set-up, epilogue,
+// ~10k cycles) and the combine. Each split keeps at least kMinKeyTilesPerSplit key tiles, so that fixed cost
+// stays a small part of it.
+template <typename Traits>
+TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int forced_splits) {
+  constexpr int kMinKeyTilesPerSplit = 8;
+  TileSchedule sched;
+  sched.block_m = Traits::kBlockM;
+  sched.tiles = ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch;
+  sched.query_blocks = FastDivisor(uint32_t(ceil_div(p.seqlen_q, Traits::kBlockM)));
+  sched.heads = FastDivisor(uint32_t(p.heads_q));
+  sched.head_group = FastDivisor(uint32_t(p.heads_q / p.heads_kv));
+  const int key_tiles = int(ceil_div(p.seqlen_kv, Traits::kBlockN));
+  if (p.causal || sched.tiles == 0 || key_tiles < 2 || sm_count < 1) return sched;
+  int splits = 1;
+  int64_t split_tiles = sched.tiles;
+  if (forced_splits > 0) {
+    splits = std::min({forced_splits, kMaxKvSplits, key_tiles});
+  } else {
+    split_tiles = sched.tiles % sm_count;
+    if (split_tiles > 0)
+      splits = int(std::min<int64_t>({sm_count / split_tiles, kMaxKvSplits, key_tiles / kMinKeyTilesPerSplit}));
+  }
+  if (splits >= 2) sched.splits = FastDivisor(uint32_t(splits)), sched.split_tiles = split_tiles;
+  return sched;
+}
+
+TileSchedule tile_schedule_sm90(const AttentionParams& p, int sm_count, int forced_splits) {
+  // Tile shapes do not depend on the element type.
+  return p.head_dim == 64 ? tile_schedule<Sm90AttentionKernelTraits<64, __half>>(p, sm_count, forced_splits)
+                          : tile_schedule<Sm90AttentionKernelTraits<128, __half>>(p, sm_count, forced_splits);
+}
+
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
@@ -540,10 +698,22 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
     } else {
       return dispatch_elem(p.dtype, [&](auto elem) {
         using Traits = Sm90AttentionKernelTraits<D, decltype(elem)>;
+        const TileSchedule& sched = p.schedule;
+        // The schedule must be tile_schedule_sm90's for these params, with its buffers.
+        if (sched.block_m != Traits::kBlockM || sched.tiles != ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch ||
+            sched.query_blocks.divisor != ceil_div(p.seqlen_q, Traits::kBlockM) || sched.heads.divisor != uint32_t(p.heads_q) ||
+            sched.head_group.divisor != uint32_t(p.heads_q / p.heads_kv) ||
+            sched.splits.divisor < 1 || sched.splits.divisor > kMaxKvSplits || sched.split_tiles < 0 || sched.split_tiles > sched.tiles ||
+            sched.ctas() > INT32_MAX || (sched.split_tiles > 0 && (p.o_partial == nullptr || p.row_stats == nullptr)))
+          return cudaErrorInvalidValue;
         CUtensorMap v_map;
-        const cudaError_t err = encode_v_map<Traits>(p, &v_map);
-        if (err != cudaSuccess) return err;
-        return launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, p, stream, v_map);
+        cudaError_t err = encode_v_map<Traits>(p, &v_map);
+        if (err == cudaSuccess)
+          err = launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, dim3(sched.ctas()), p, stream, v_map);
+        if (err != cudaSuccess || sched.split_tiles == 0) return err;
+        constexpr int kRowsPerBlock = 128 / (D / 4);
+        return launch(combine_kv_splits_kernel<Traits>, dim3(ceil_div(sched.split_tiles * Traits::kBlockM, kRowsPerBlock)),
+                      128, 0, stream, /*dependent=*/true, p);
       });
     }
   });

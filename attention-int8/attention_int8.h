@@ -72,6 +72,51 @@ struct QuantizeParams {
   bool programmatic_launch;
 };
 
+// Division by a divisor fixed at launch, for the CTA-index decode that runs ahead of a CTA's first loads: for
+// 0 <= n < 2^31, n / divisor = (umulhi(n, multiplier) + n) >> shift (round-up reciprocal; the device side is
+// fast_div in attention_fwd_sm90.cu). A run-time integer division is ~20 dependent instructions, a 64-bit one
+// a subroutine call.
+struct FastDivisor {
+  uint32_t divisor = 1, multiplier = 1, shift = 0;
+  FastDivisor() = default;
+  explicit FastDivisor(uint32_t d) : divisor(d) {
+    if (d == 0) return;  // an empty grid: never divided by
+    while ((uint64_t(1) << shift) < d) ++shift;
+    multiplier = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
+  }
+};
+
+// The sm90 kernel's grid: one CTA per work tile (block_m query rows of one (batch, head)), tile index
+// (batch * heads + head) * query_blocks + query block, except for split-KV at the end. A grid of `tiles` CTAs on
+// S SMs ends in a wave of tiles % S of them that leaves the other SMs idle for a whole tile's time; the last
+// `split_tiles` tiles are then cut into `splits` ranges of key tiles each, run as separate CTAs that write their
+// normalized fp32 O and row statistics to partial buffers, and a combine kernel merges a row's splits s: with
+// l_s the sum of 2^(logit - m_s) over split s's keys (m_s its running max, log2 units), M = max_s m_s and
+// w_s = 2^(m_s - M) l_s,
+//   O = sum_s w_s O_s / sum_s w_s,   LSE = (M + log2 sum_s w_s) ln 2 + shift,
+// the unsplit kernel's formulas over the union of the keys. (Keeping m and l apart, rather than one LSE per
+// split, loses nothing at huge logits, where log2 l would vanish in m's rounding.)
+// Non-causal only: causal grids already end in their shortest tiles.
+constexpr int kMaxKvSplits = 4;
+
+struct SplitRowStats {
+  float max_log2;   // m_s
+  float sum;        // l_s
+  float lse_shift;  // the LSE's smoothing shift sm_scale * (q_row . k_mean), 0 without it
+};
+
+struct TileSchedule {
+  int64_t tiles = 0;        // work tiles
+  int64_t split_tiles = 0;  // the last split_tiles of them are split (0: none)
+  FastDivisor splits;       // ways each split tile is split (1: none)
+  FastDivisor query_blocks, heads, head_group;  // the decode's divisors; head_group = q heads per k/v head
+  int block_m = 0;          // query rows of a work tile
+  __host__ __device__ int64_t full_tiles() const { return tiles - split_tiles; }
+  __host__ __device__ int64_t ctas() const { return full_tiles() + split_tiles * splits.divisor; }
+  // Rows of the partial buffers: split CTA u (counted from the first split one) owns rows u * block_m ..
+  __host__ __device__ int64_t partial_rows() const { return split_tiles * splits.divisor * block_m; }
+};
+
 // O = softmax(dequant(Q_q K_q^T)) V with an online base-2 softmax. K comes from the quantizer above
 // (dense, padded); V and O are read/written through strides. Causal masking is bottom-right aligned:
 // query i sees key j iff j <= i + (seqlen_kv - seqlen_q).
@@ -97,6 +142,9 @@ struct AttentionParams {
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
   bool sm90;              // K quantized with sm90_layout, Q in q_input: run the Hopper kernel
+  TileSchedule schedule;  // sm90: tile_schedule_sm90 for these params
+  float* o_partial;       // [schedule.partial_rows(), head_dim] fp32, when schedule.split_tiles > 0
+  SplitRowStats* row_stats;  // [schedule.partial_rows()]
   bool programmatic_launch;  // start under the K quantizer's tail (sm_90+, dispatch.cuh)
   ElemType dtype;
 };
@@ -130,5 +178,9 @@ cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
+// The sm90 kernel's grid for `params` (its shape fields set) on a GPU of sm_count SMs: splits only the last,
+// partial wave, unless forced_splits > 0 splits every tile that many ways (a test hook; capped by
+// kMaxKvSplits and the key tiles). Never splits causal attention.
+TileSchedule tile_schedule_sm90(const AttentionParams& params, int sm_count, int forced_splits);
 
 }  // namespace attention_int8

@@ -48,17 +48,16 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// Launches an attention kernel over (query blocks, heads, batch) with the dynamic shared memory its
-// traits ask for (above 48 KB only after cudaFuncSetAttribute raises the kernel's limit). Query blocks are
-// the fastest grid dimension, so the CTAs running at one time share one or two heads, whose K and V stay in
-// L2 (a persistent variant of the Hopper kernel that took heads fastest was 8-13% slower at N >= 8192:
-// benchmarks/RESULTS.md, v18).
+// Launches an attention kernel over `grid` with the dynamic shared memory its traits ask for (above 48 KB only
+// after cudaFuncSetAttribute raises the kernel's limit). Both kernels take query blocks as the fastest index, so
+// the CTAs running at one time share one or two heads, whose K and V stay in L2 (a persistent variant of the
+// Hopper kernel that took heads fastest was 8-13% slower at N >= 8192: benchmarks/RESULTS.md, v18).
 // `extra` are further kernel arguments after the params (the sm90 kernel's TMA descriptor).
 template <typename Traits, typename Kernel, typename... Extra>
-cudaError_t launch_attention_kernel(Kernel kernel, const AttentionParams& p, cudaStream_t stream, const Extra&... extra) {
+cudaError_t launch_attention_kernel(Kernel kernel, dim3 grid, const AttentionParams& p, cudaStream_t stream,
+                                    const Extra&... extra) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
   return launch(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, p.programmatic_launch, p, extra...);
 }
 

@@ -203,3 +203,15 @@ ODD_CASES = (
     Case(batch=2, heads_q=3, heads_kv=1, seqlen_q=200, seqlen_kv=200, is_causal=True, dtype=torch.bfloat16),
     Case(heads_q=4, heads_kv=1, seqlen_q=64, seqlen_kv=129, head_dim=96, layout="NHD", kind="k_offset"),
 )
+
+
+# Split-KV, the Hopper kernel's (elsewhere these run unsplit): ATTENTION_INT8_KV_SPLITS=n splits every non-causal
+# tile's key tiles (64 keys) n ways. 1000 keys = 16 tiles (uneven thirds; the masked tail in the last split),
+# 200 = 4 (one tile a split at n = 4), 130 = 3 (n = 4 capped at 3); causal attention is never split.
+KV_SPLIT_CASES = [
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=1000, head_dim=128),
+    Case(heads_q=8, heads_kv=1, seqlen_q=129, seqlen_kv=200, head_dim=64, dtype=torch.bfloat16, layout="NHD",
+         kind="k_offset"),
+    Case(heads_q=2, heads_kv=2, seqlen_q=16, seqlen_kv=130, head_dim=128, dtype=torch.bfloat16, kind="q_shift"),
+    Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=500, seqlen_kv=700, head_dim=64, is_causal=True),
+]

@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck python tests/sanitizer_cases.py    (also racecheck, synccheck, initcheck)
 
 Covers N = 1, tails of the 128-row query and 64/128-key tiles (65, 129, 200), Nq > Nkv under the causal
-mask, GQA/MQA, both layouts, D 64/96/128 (tests/_helpers.py: ODD_CASES) on both kernels, and the standalone
-quantizer. Exits non-zero if any result disagrees with the references.
+mask, GQA/MQA, both layouts, D 64/96/128 (tests/_helpers.py: ODD_CASES) on both kernels, the Hopper kernel's
+split-KV path and its combine (KV_SPLIT_CASES, forced 2 to 4 ways), and the standalone quantizer. Exits non-zero if any result disagrees with the references.
 """
 
 import os
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from _helpers import ODD_CASES, check_case, check_quantize, kernels_for, to_layout
+from _helpers import KV_SPLIT_CASES, ODD_CASES, check_case, check_quantize, kernels_for, to_layout
 from conftest import load_package
 
 
@@ -24,13 +24,18 @@ def main():
         for kernel in kernels_for(case):
             os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "1" if kernel == "portable" else "0"
             failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
+    os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "0"
+    for splits, case in enumerate(KV_SPLIT_CASES[:3], start=2):
+        os.environ["ATTENTION_INT8_KV_SPLITS"] = str(splits)
+        failures += [f"{splits} key splits: {f}" for f in check_case(ai8, case, generator)]
+    del os.environ["ATTENTION_INT8_KV_SPLITS"]
     x = torch.randn(1, 3, 65, 96, device="cuda", generator=generator).half()
     mean = torch.randn(1, 3, 96, device="cuda", generator=generator)
     for layout, tokens_per_scale in (("HND", 1), ("NHD", ai8.KEY_TOKENS_PER_SCALE)):
         failures += check_quantize(ai8, to_layout(x, layout), mean, 0.5, layout, tokens_per_scale)
     for failure in failures:
         print("FAIL", failure)
-    print(f"{len(ODD_CASES)} attention cases and 2 quantizer cases: {len(failures)} failures")
+    print(f"{len(ODD_CASES) + 3} attention cases and 2 quantizer cases: {len(failures)} failures")
     return 1 if failures else 0
 
 

@@ -299,11 +299,24 @@ def test_zero_inputs(ai8, monkeypatch, kernel, zeros):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("value", ["0", "-2", "two", "3x"])
+def test_bad_kv_splits_setting(ai8, monkeypatch, value):
+    """The split-KV test hook (ATTENTION_INT8_KV_SPLITS) takes a positive integer, and says so otherwise."""
+    monkeypatch.setenv("ATTENTION_INT8_KV_SPLITS", value)
+    q, k, v = _inputs("cuda")
+    with pytest.raises(ValueError, match="ATTENTION_INT8_KV_SPLITS must be a positive integer"):
+        ai8.int8_attention_forward(q, k, v)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel, kv_splits", [("auto", None), ("portable", None), ("auto", 3)])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_nan_propagates(ai8, monkeypatch, kernel, where):
-    """A NaN in the input shows up in exactly the outputs that depend on it, and nowhere else."""
+def test_nan_propagates(ai8, monkeypatch, kernel, kv_splits, where):
+    """A NaN in the input shows up in exactly the outputs that depend on it, and nowhere else. With kv_splits
+    (the Hopper kernel) the 150 keys are three splits, and the NaN key of V lies in the middle one."""
     select_kernel(monkeypatch, kernel)
+    if kv_splits is not None:
+        monkeypatch.setenv("ATTENTION_INT8_KV_SPLITS", str(kv_splits))
     q, k, v = make_qkv(Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=100, seqlen_kv=150, head_dim=128), "cuda")
     bad = torch.zeros(q.shape, dtype=torch.bool, device="cuda")
     if where == "q":

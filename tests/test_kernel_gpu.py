@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from _helpers import (COS_MIN, KERNELS, KINDS, LSE_ATOL, Case, accuracy_failures, check_case,
+from _helpers import (COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, Case, accuracy_failures, check_case,
                       check_quantize, kernel_params, make_qkv, metrics, poison_like, reference_failures,
                       lse_ref_atol, select_kernel, to_layout)
 from conftest import requires_cuda
@@ -164,27 +164,32 @@ def test_lse(ai8, monkeypatch, kernel, kind):
 
 
 @pytest.mark.skipif(bool(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING")), reason="needs the caching allocator")
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_output_fully_written(ai8, monkeypatch, kernel):
+@pytest.mark.parametrize("kernel, kv_splits", [("auto", None), ("portable", None), ("auto", 3)])
+def test_output_fully_written(ai8, monkeypatch, kernel, kv_splits):
     """Poison the memory the op's outputs will get: in a private memory pool, fill a big block with all-ones
     bytes (NaN in fp16 and fp32) and free it; inside that pool it is the only memory the op's allocations
-    (out and lse first) can come from, so any element the kernels skip stays NaN."""
+    (out and lse first) can come from, so any element the kernels skip stays NaN. With kv_splits (the Hopper
+    kernel, non-causal), the split partials come from that block too, so a partial row left unwritten would
+    reach the output through the combine."""
     select_kernel(monkeypatch, kernel)
-    case = Case(heads_q=64, heads_kv=1, seqlen_q=4099, seqlen_kv=1000, head_dim=128, is_causal=True)
+    if kv_splits is not None:
+        monkeypatch.setenv("ATTENTION_INT8_KV_SPLITS", str(kv_splits))
+    causal = kv_splits is None
+    case = Case(heads_q=64, heads_kv=1, seqlen_q=4099, seqlen_kv=1000, head_dim=128, is_causal=causal)
     q, k, v = make_qkv(case, "cuda")
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
         poison = torch.full((1 << 30,), 0xFF, dtype=torch.uint8, device="cuda")
         lo, hi = poison.data_ptr(), poison.data_ptr() + poison.numel()
         del poison
-        out, lse = ai8.int8_attention_forward(q, k, v, is_causal=True, return_lse=True)
+        out, lse = ai8.int8_attention_forward(q, k, v, is_causal=causal, return_lse=True)
     # out (67 MB) and lse (1.05 MB) are large-pool requests: both are carved from the poisoned block.
     assert lo <= out.data_ptr() < hi and lo <= lse.data_ptr() < hi, "the allocator did not reuse the poisoned block"
     assert not out.isnan().any() and not lse.isnan().any()
-    ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, is_causal=causal, return_lse=True)
     failures = reference_failures(out, ref, v, "poisoned")
     assert not failures, failures
-    # The first Nq - Nkv rows see no key: LSE -inf in both; compare the rest.
+    # Causal: the first Nq - Nkv rows see no key, LSE -inf in both; compare the rest.
     assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
     seen = ref_lse > -math.inf
     assert (lse[seen] - ref_lse[seen]).abs().max().item() <= lse_ref_atol(q.dtype)
@@ -233,3 +238,41 @@ def test_smoothing_matters(ai8, monkeypatch, kernel, dtype):
            for smooth in (True, False)}
     # The reference measures ~0.009 with smoothing and ~0.055 without.
     assert err[True] <= 0.02 and err[False] >= 3 * err[True], err
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("case", KV_SPLIT_CASES, ids=str)
+def test_kv_splits(ai8, monkeypatch, case, splits):
+    select_kernel(monkeypatch, "auto")
+    monkeypatch.setenv("ATTENTION_INT8_KV_SPLITS", str(splits))
+    failures = check_case(ai8, case)
+    assert not failures, failures
+
+
+def _kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernel's split-KV")
+def test_kv_split_only_for_a_partial_last_wave(ai8, monkeypatch):
+    """Unforced, the Hopper kernel splits keys only for a last wave of tiles (192 query rows) at most half full,
+    and never under the causal mask; the split result is accurate."""
+    select_kernel(monkeypatch, "auto")
+    monkeypatch.delenv("ATTENTION_INT8_KV_SPLITS", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    expected = [  # (case, split): 6 tiles, a partial wave on any GPU of 12 SMs or more, over 18 key tiles;
+        (Case(heads_q=1, heads_kv=1, seqlen_q=1152, seqlen_kv=1152, head_dim=128), True),  # then one full wave
+        (Case(heads_q=sms, heads_kv=sms, seqlen_q=192, seqlen_kv=1152, head_dim=128), False),
+        (Case(heads_q=1, heads_kv=1, seqlen_q=1152, seqlen_kv=1152, head_dim=128, is_causal=True), False),
+    ]
+    for case, split in expected:
+        q, k, v = make_qkv(case, "cuda")
+        names = _kernel_names(lambda: ai8.int8_attention_forward(q, k, v, is_causal=case.is_causal))
+        assert any("attention_fwd_sm90_kernel" in name for name in names), (case, names)
+        assert any("combine_kv_splits_kernel" in name for name in names) == split, (case, names)
+        failures = check_case(ai8, case)
+        assert not failures, failures

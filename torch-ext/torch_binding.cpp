@@ -93,6 +93,19 @@ bool use_sm90_kernel(Capability cc, int64_t head_dim) {
   return ai8::sm90_kernel_supported(cc.major, cc.minor, static_cast<int>(head_dim));
 }
 
+// ATTENTION_INT8_KV_SPLITS=n (n >= 1, read per call) makes the Hopper kernel split every non-causal tile's keys
+// n ways (at most kMaxKvSplits, one key tile each), so the tests reach the split path and its combine on any
+// shape; unset, only the grid's last partial wave is split (tile_schedule_sm90).
+int forced_kv_splits() {
+  const char* value = std::getenv("ATTENTION_INT8_KV_SPLITS");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long splits = std::strtol(value, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && splits >= 1, "ATTENTION_INT8_KV_SPLITS must be a positive integer, got \"", value,
+                    "\"");
+  return static_cast<int>(std::min<long>(splits, ai8::kMaxKvSplits));
+}
+
 void check_sizes(const Shape& s, const char* name) {
   TORCH_CHECK_VALUE(ai8::head_dim_supported(static_cast<int>(s.head_dim)), name, " has head_dim ", s.head_dim,
                     "; supported head dims are 64, 96 and 128");
@@ -224,6 +237,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
+  const int kv_splits = forced_kv_splits();  // checked on every GPU, though only the sm90 kernel splits
   // Copies (if any) first: on Hopper the kernels after the token sum start under their predecessor's tail
   // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
   const at::Tensor v_rows = readable_in_place(v, layout, sm90);
@@ -274,6 +288,19 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   // The K quantizer ran just before (its launch is skipped only without keys).
   params.programmatic_launch = sm90 && sk.seqlen > 0;
   params.dtype = elem_type_of(q);
+  at::Tensor o_partial, row_stats;
+  if (sm90) {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    params.schedule = ai8::tile_schedule_sm90(params, sms, kv_splits);
+    if (params.schedule.split_tiles > 0) {
+      const auto f32 = q.options().dtype(at::kFloat);
+      o_partial = at::empty({params.schedule.partial_rows(), sq.head_dim}, f32);
+      static_assert(sizeof(ai8::SplitRowStats) == 3 * sizeof(float), "SplitRowStats is three fp32");
+      row_stats = at::empty({params.schedule.partial_rows(), 3}, f32);
+      params.o_partial = o_partial.data_ptr<float>();
+      params.row_stats = reinterpret_cast<ai8::SplitRowStats*>(row_stats.data_ptr<float>());
+    }
+  }
   check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
   if (lse_shift && !sm90) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
   return {out, lse};
