@@ -656,10 +656,11 @@ cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
 
 }  // namespace
 
-// Split only when the grid's last wave would run at most half full: then `splits` = S / tail ways (capped)
-// fill it, and the wave takes 1 / splits of a tile's time plus each split's fixed cost (Q, set-up, epilogue,
-// ~10k cycles) and the combine. Each split keeps at least kMinKeyTilesPerSplit key tiles, so that fixed cost
-// stays a small part of it.
+// Only the tail, the tiles % S tiles of the last, partial wave on S SMs, is split: s ways, it runs in
+// ceil(tail * s / S) waves of 1 / s of a tile's time each (plus each split's fixed cost: Q, set-up, epilogue,
+// ~10k cycles, and the combine). The smallest s with the shortest such time wins, so a tail of at most S / 2
+// tiles takes 1/2 (s = 2) or less, one of at most 2S / 3 takes 2/3 (s = 3), and a fuller one is not split.
+// Each split keeps at least kMinKeyTilesPerSplit key tiles, so that the fixed cost stays a small part of it.
 template <typename Traits>
 TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int forced_splits) {
   constexpr int kMinKeyTilesPerSplit = 8;
@@ -677,8 +678,12 @@ TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int forced_sp
     splits = std::min({forced_splits, kMaxKvSplits, key_tiles});
   } else {
     split_tiles = sched.tiles % sm_count;
-    if (split_tiles > 0)
-      splits = int(std::min<int64_t>({sm_count / split_tiles, kMaxKvSplits, key_tiles / kMinKeyTilesPerSplit}));
+    const int max_splits = std::min(kMaxKvSplits, key_tiles / kMinKeyTilesPerSplit);
+    int64_t best_waves = 1;  // ceil(tail * splits / S): the time is best_waves / splits tiles
+    for (int s = 2; s <= max_splits && split_tiles > 0; ++s) {
+      const int64_t waves = ceil_div(split_tiles * s, sm_count);
+      if (waves * splits < best_waves * s) splits = s, best_waves = waves;
+    }
   }
   if (splits >= 2) sched.splits = FastDivisor(uint32_t(splits)), sched.split_tiles = split_tiles;
   return sched;

@@ -259,14 +259,21 @@ def _kernel_names(fn):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Hopper kernel's split-KV")
 def test_kv_split_only_for_a_partial_last_wave(ai8, monkeypatch):
-    """Unforced, the Hopper kernel splits keys only for a last wave of tiles (192 query rows) at most half full,
-    and never under the causal mask; the split result is accurate."""
+    """Unforced, the Hopper kernel splits keys only where a last wave of tiles (192 query rows) at most 2/3 full
+    then takes less time (2 ways up to 1/2, 3 ways up to 2/3), and never under the causal mask; the split
+    result is accurate."""
     select_kernel(monkeypatch, "auto")
     monkeypatch.delenv("ATTENTION_INT8_KV_SPLITS", raising=False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    expected = [  # (case, split): 6 tiles, a partial wave on any GPU of 12 SMs or more, over 18 key tiles;
-        (Case(heads_q=1, heads_kv=1, seqlen_q=1152, seqlen_kv=1152, head_dim=128), True),  # then one full wave
-        (Case(heads_q=sms, heads_kv=sms, seqlen_q=192, seqlen_kv=1152, head_dim=128), False),
+
+    def tiles(count, **kw):  # `count` heads of one 192-row tile each, over 24 key tiles
+        return Case(heads_q=count, heads_kv=count, seqlen_q=192, seqlen_kv=1536, head_dim=128, **kw)
+
+    expected = [  # (case, split)
+        (Case(heads_q=1, heads_kv=1, seqlen_q=1152, seqlen_kv=1152, head_dim=128), True),  # 6 tiles, 2 ways
+        (tiles(sms + 2 * sms // 3), True),  # a tail of 2/3: 3 ways
+        (tiles(sms), False),  # one full wave
+        (tiles(2 * sms - 1), False),  # a tail of S - 1: no split makes it shorter
         (Case(heads_q=1, heads_kv=1, seqlen_q=1152, seqlen_kv=1152, head_dim=128, is_causal=True), False),
     ]
     for case, split in expected:
