@@ -312,11 +312,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (warpgroup > 0) load_q_rows<Traits>(p, batch, head, rows, tig, q_raw);
 
   if (tid == 0) {
+    // A stage is free once every warp of the consumers that hold rows (below seqlen_q) has released it: the
+    // last query block may leave the later consumers without rows, and they then skip the key loop.
+    const int row_consumers = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, 64)));
     for (int s = 0; s < Traits::kStages; ++s) {
       sm90::mbarrier_init(smem.k_full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
       sm90::mbarrier_init(smem.v_full(s), 1);
-      sm90::mbarrier_init(smem.k_empty(s), Traits::kConsumerWarps);  // one arrival per consumer warp
-      sm90::mbarrier_init(smem.v_empty(s), Traits::kConsumerWarps);
+      sm90::mbarrier_init(smem.k_empty(s), 4 * row_consumers);  // one arrival per consumer warp
+      sm90::mbarrier_init(smem.v_empty(s), 4 * row_consumers);
     }
     sm90::fence_barrier_init();
   }
@@ -465,11 +468,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int j = 0; j < 4; ++j) p_frag[kk][j] = ptx::pack2<Elem>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
   };
 
-  // This warpgroup's own tiles: under the causal mask, up to its last row's diagonal (the CTA streams up to
-  // the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no mask come first, up to its
-  // first row's diagonal: the key-length tail and the causal diagonal are at the end.
+  // This warpgroup's own tiles: none without rows below seqlen_q, under the causal mask up to its last row's
+  // diagonal (the CTA streams up to the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no
+  // mask come first, up to its first row's diagonal: the key-length tail and the causal diagonal are at the end.
   const int first_row = m0 + consumer * 64;
-  const int n_own = max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + 64)) - n_begin);
+  const int n_own = first_row >= p.seqlen_q
+                        ? 0
+                        : max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + 64)) - n_begin);
   int n_unmasked = p.seqlen_kv / BN;
   if (p.causal) n_unmasked = min(n_unmasked, max(0, (first_row + causal_offset + 1) / BN));
   n_unmasked = max(0, min(n_own, n_unmasked - n_begin));
@@ -491,7 +496,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int n_block = 1; n_block < n_unmasked; ++n_block) step(n_block, False{}, False{});
     for (int n_block = max(1, n_unmasked); n_block < n_own; ++n_block) step(n_block, False{}, True{});
     // The tiles past this warpgroup's rows are masked for all of them: only its turns, so the others get
-    // the tensor cores sooner. Nothing to release: a stage is reused kStages tiles later, past n_blocks.
+    // the tensor cores sooner. Nothing to release: a stage is reused kStages tiles later, past n_blocks (and a
+    // consumer without rows is not counted by the empty barriers).
     static_assert(Traits::kStages >= Traits::kConsumers, "stages past a consumer's own tiles are never reused");
     for (int n_block = n_own; n_block < n_blocks; ++n_block) {
       sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);

@@ -373,9 +373,11 @@ def test_back_to_back_calls(ai8, smooth_k):
     """Calls queued without a synchronization, each one's inputs written by a kernel just before it and its
     temporaries freed right after, so the caching allocator hands the next call the memory the previous
     one's launches used. On Hopper the op's later launches start under their predecessor's tail
-    (programmatic dependent launch): every result must still equal the same call run on its own."""
+    (programmatic dependent launch): every result must still equal the same call run on its own. N = 2048
+    non-causal splits its tail on the H200 (176 tiles on 132 SMs), so its combine kernel is in the chain."""
     cases = [Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=n, seqlen_kv=n + 37, head_dim=d, is_causal=causal)
-             for n, d, causal in ((300, 128, True), (1000, 64, False), (700, 128, False), (520, 96, True))]
+             for n, d, causal in ((300, 128, True), (1000, 64, False), (700, 128, False), (520, 96, True),
+                                  (2048, 128, False))]
     bases = [make_qkv(case, "cuda") for case in cases]
     alone = []
     for case, qkv in zip(cases, bases):
