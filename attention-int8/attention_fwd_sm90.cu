@@ -311,15 +311,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   QRowsRaw<Traits> q_raw;
   if (warpgroup > 0) load_q_rows<Traits>(p, batch, head, rows, tig, q_raw);
 
+  // The consumers whose rows start below seqlen_q: the last query block may leave the later ones without rows,
+  // and they skip the key loop. A stage is free once every warp of these has released it.
+  const int row_consumers = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, 64)));
   if (tid == 0) {
-    // A stage is free once every warp of the consumers that hold rows (below seqlen_q) has released it: the
-    // last query block may leave the later consumers without rows, and they then skip the key loop.
-    const int row_consumers = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, 64)));
+    constexpr int kWarpsPerConsumer = Traits::kConsumerWarps / Traits::kConsumers;
     for (int s = 0; s < Traits::kStages; ++s) {
       sm90::mbarrier_init(smem.k_full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
       sm90::mbarrier_init(smem.v_full(s), 1);
-      sm90::mbarrier_init(smem.k_empty(s), 4 * row_consumers);  // one arrival per consumer warp
-      sm90::mbarrier_init(smem.v_empty(s), 4 * row_consumers);
+      sm90::mbarrier_init(smem.k_empty(s), kWarpsPerConsumer * row_consumers);  // one arrival per consumer warp
+      sm90::mbarrier_init(smem.v_empty(s), kWarpsPerConsumer * row_consumers);
     }
     sm90::fence_barrier_init();
   }
@@ -472,7 +473,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // diagonal (the CTA streams up to the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no
   // mask come first, up to its first row's diagonal: the key-length tail and the causal diagonal are at the end.
   const int first_row = m0 + consumer * 64;
-  const int n_own = first_row >= p.seqlen_q
+  const int n_own = consumer >= row_consumers
                         ? 0
                         : max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + 64)) - n_begin);
   int n_unmasked = p.seqlen_kv / BN;
