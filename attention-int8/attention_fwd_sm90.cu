@@ -1,6 +1,6 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
-//   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q from registers, K from shared memory by descriptor;
+//   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q and K from shared memory by descriptor;
 //   O += P V      : m64n(D+8)k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
 //                   is the A-register layout), V read transposed (MN-major) from shared memory and
 //                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
@@ -9,9 +9,8 @@
 // consumer warpgroups own 64 query rows each. Named barriers make the consumers take turns issuing
 // their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products instead
 // of all doing softmax at the same time. Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
-// S_j and may overlap the softmax of tile j; at D = 128 ptxas places the wait for it ahead of the softmax
-// (SASS), and forcing it behind made the kernel slower (benchmarks/RESULTS.md, v14), so there the
-// overlap is the other warpgroups'.
+// S_j and overlaps the softmax of tile j: ptxas waits for it after most of the exponentials (SASS), which it
+// did at D = 128 only once Q moved from registers to shared memory (benchmarks/RESULTS.md, v14 and v43).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -27,6 +26,7 @@
 #include "ptx.cuh"
 #include "quant_math.cuh"
 #include "sm90_pipeline.cuh"
+#include "swizzle.cuh"
 #include "wgmma.cuh"
 
 namespace attention_int8 {
@@ -84,6 +84,8 @@ constexpr float kRescaleSlack = 8.f;
 // predecessor (w - 1, cyclically) arrives there. Each barrier phase counts both warpgroups' threads.
 constexpr int kTurnBarrier = 1;
 constexpr int kTurnThreads = 2 * 128;
+// Named barriers kQTileBarrier + w: consumer w's 128 threads, once its Q tile is in shared memory.
+constexpr int kQTileBarrier = kTurnBarrier + 4;
 
 // Tile j of the key loop lives in stage j % kStages; its barriers' phase flips on every pass over the stages.
 // (Unsigned: a signed division would add its rounding fix-ups to every step.)
@@ -92,14 +94,13 @@ __device__ __forceinline__ int stage_of(int n_block) { return int(uint32_t(n_blo
 template <typename Traits>
 __device__ __forceinline__ uint32_t phase_of(int n_block) { return (uint32_t(n_block) / Traits::kStages) & 1; }
 
-// A consumer's share of its warpgroup's 64 Q rows, quantized per token in registers with the
-// quantizer's arithmetic (quant_math.cuh) straight into the s8 wgmma's A fragments, where Q stays for
-// the whole key loop: the tensor cores then read only K and V from shared memory. Thread (group, tig)
-// of a warp holds rows group and group + 8 and, of each k32 step, the 4 bytes at 4 tig and at 16 + 4 tig:
-// a quarter of each row, so a row's amax is a max over its quad.
-template <typename Traits>
-struct QFragments {
-  uint32_t a[Traits::kQKSteps][4];
+// A consumer's 64 Q rows are quantized per token with the quantizer's arithmetic (quant_math.cuh) by its own
+// threads, into a shared-memory tile in K's swizzled K-major layout (swizzle.cuh), which the S wgmma reads by
+// descriptor for the whole key loop. (Kept in registers as the wgmma's A fragments, Q took 16 registers at
+// D = 128 that ptxas then found by waiting for the previous tile's P.V ahead of the exponentials: RESULTS v43.)
+// Thread (group, tig) of a warp holds rows group and group + 8 and, of each k32 step, the 4 bytes at 4 tig and
+// at 16 + 4 tig: a quarter of each row, so a row's amax is a max over its quad.
+struct QRowScales {
   float scale[2];     // per row, includes sm_scale * log2(e)
   float mean_dot[2];  // q_row . k_mean (the LSE's smoothing shift); 0 without p.k_mean
 };
@@ -130,9 +131,12 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
   }
 }
 
+// Quantizes the thread's share of the consumer's Q rows into q_tile (rows 16 warp_in_group + group and + 8).
+// The caller makes the tile visible to the wgmmas (async proxy fence, then a barrier over the warpgroup).
 template <typename Traits>
-__device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionParams& p, int batch, int head_kv,
-                                                              const QRowsRaw<Traits>& raw, int tig) {
+__device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, int batch, int head_kv,
+                                                      const QRowsRaw<Traits>& raw, char* q_tile, int warp_in_group,
+                                                      int group, int tig) {
   using Elem = typename Traits::Elem;
   constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
   // x[r][8 ks + 4 half + e] = Q[rows[r]][32 ks + 16 half + 4 tig + e]
@@ -145,7 +149,7 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
       x[r][4 * c] = lo.x, x[r][4 * c + 1] = lo.y, x[r][4 * c + 2] = hi.x, x[r][4 * c + 3] = hi.y;
     }
   }
-  QFragments<Traits> q;
+  QRowScales q;
   uint32_t amax_bits[2] = {0, 0};  // each row's amax and finiteness at once (quant::abs_bits)
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -176,11 +180,15 @@ __device__ __forceinline__ QFragments<Traits> quantize_q_rows(const AttentionPar
 #pragma unroll
       for (int i = 0; i < kPerRow; ++i) x[r][i] *= prescale[r];
     }
+  constexpr int kRowBytes = Traits::kQKRowBytes;
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)  // a[ks][j]: row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
-      q.a[ks][j] = quant::quantize4(&x[j % 2][8 * ks + 4 * (j / 2)], inv_scale[j % 2]);
+    for (int j = 0; j < 4; ++j) {  // row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
+      const int row = warp_in_group * 16 + group + 8 * (j % 2), byte = 32 * ks + 16 * (j / 2) + 4 * tig;
+      *reinterpret_cast<uint32_t*>(q_tile + row * kRowBytes + swizzle::chunk_position<kRowBytes>(row, byte / 16) * 16 +
+                                   byte % 16) = quant::quantize4(&x[j % 2][8 * ks + 4 * (j / 2)], inv_scale[j % 2]);
+    }
   return q;
 }
 
@@ -274,6 +282,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
+  static_assert(kQTileBarrier >= kTurnBarrier + Traits::kConsumers && kQTileBarrier + Traits::kConsumers <= 16,
+                "named barrier ids overlap or run out");
 
   extern __shared__ char smem_raw[];
   // The swizzle atoms (at most 1024 bytes) are anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
@@ -343,7 +353,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   sm90::claim_registers<Traits::kConsumerRegs>();
 
   ptx::wait_for_predecessor();  // before k_mean, K's scales and any global write (dispatch.cuh's launch())
-  const QFragments<Traits> q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, tig);
+  // The Q tile lives in the consumer's O staging tiles, which the epilogue uses only after the last wgmma.
+  char* q_tile = smem.o_tile(consumer * 4);
+  const QRowScales q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, q_tile, warp_in_group, group, tig);
+  sm90::fence_proxy_async_smem();  // the generic-proxy stores, before the wgmmas read them
+  sm90::named_barrier_sync(kQTileBarrier + consumer, 128);
+  const uint64_t q_desc = ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(q_tile));
   const float* k_scales = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens) + n_begin;  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them. Kept in registers for the whole
   // loop: ptxas would otherwise rebuild both from the shared-window base in every step (16 instructions).
@@ -392,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const uint64_t k_stage_desc = wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes);
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<BN>(s_int, q.a[ks], wgmma::advance_desc(k_stage_desc, ks * 32), ks);
+      wgmma::mma_qk_s8<BN>(s_int, wgmma::advance_desc(q_desc, ks * 32), wgmma::advance_desc(k_stage_desc, ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
     sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);

@@ -57,7 +57,7 @@ struct AttentionKernelTraits {
 
 // Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
 // K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
-// kBlockN keys; each consumer quantizes its own Q rows into registers. K arrives as INT8 rows of D
+// kBlockN keys; each consumer quantizes its own Q rows into a shared-memory tile. K arrives as INT8 rows of D
 // bytes already in the K-major swizzled order of swizzle.cuh (the quantizer writes it), so a tile is
 // one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of
 // 64 keys x 64 channels (128 B per key) that the P.V wgmma reads MN-major (wgmma.cuh).
@@ -122,6 +122,9 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kOStageRowBytes = kORowBytes + 16;
   static constexpr int kSmemOWarpBytes = 16 * kOStageRowBytes;
   static constexpr int kSmemOBytes = kConsumerWarps * kSmemOWarpBytes;
+  // Until the epilogue, a consumer's four staging tiles hold its INT8 Q tile (64 rows), in K's swizzled layout.
+  static_assert(4 * kSmemOWarpBytes % 1024 == 0 && 4 * kSmemOWarpBytes >= 64 * kQKRowBytes,
+                "a consumer's staging tiles hold its Q tile, on a swizzle atom boundary");
   // Barriers: full/empty for K and for V per stage.
   static constexpr int kBarriers = 4 * kStages;
   static constexpr int kSmemBytes =

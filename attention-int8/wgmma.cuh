@@ -67,7 +67,7 @@ __device__ __forceinline__ void fence_operands(T (&regs)[N]) {
 }
 
 // Operand lists of the wgmmas below: accumulators first (32 for the m64n64 S, 36 and 68 for the m64n72
-// and m64n136 P.V), then the four A registers, the B descriptor and the scale-d flag.
+// and m64n136 P.V), then the A registers (P.V) or descriptor (S), the B descriptor and the scale-d flag.
 #define AI8_ACC_REGS_32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -89,11 +89,10 @@ __device__ __forceinline__ void fence_operands(T (&regs)[N]) {
     "+" c(d[56]), "+" c(d[57]), "+" c(d[58]), "+" c(d[59]), "+" c(d[60]), "+" c(d[61]), "+" c(d[62]), "+" c(d[63]), \
     "+" c(d[64]), "+" c(d[65]), "+" c(d[66]), "+" c(d[67])
 
-// d (+)= a * b^T for one k32 step of S = Q K^T: a = 64x32 s8 in registers (per warp the m16n8k32 A
-// fragment: a[0] = row g, bytes 4t..4t+3; a[1] = row g + 8; a[2], a[3] the same at bytes 16 + 4t),
-// b = kN x 32 s8 (descriptor, K-major), kN / 2 int32 accumulators. scale_d == 0 overwrites d.
+// d (+)= a * b^T for one k32 step of S = Q K^T: a = 64 x 32 s8 and b = kN x 32 s8, both K-major in shared
+// memory (descriptors), kN / 2 int32 accumulators. scale_d == 0 overwrites d.
 template <int kN>
-__device__ __forceinline__ void mma_qk_s8(int32_t (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
+__device__ __forceinline__ void mma_qk_s8(int32_t (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);
 
 // d += a * b for one k16 step of O += P V: a = 64x16 fp16/bf16 in registers (per warp the m16n8k16 A
 // fragment), b = 16 x kN read MN-major (imm-trans-b = 1: V as stored, channels contiguous), kN / 2
@@ -101,18 +100,13 @@ __device__ __forceinline__ void mma_qk_s8(int32_t (&d)[kN / 2], const uint32_t (
 template <int kN, typename Elem>
 __device__ __forceinline__ void mma_pv(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc_b);
 
-#define AI8_WGMMA_QK(N, REGS, A_REGS, DESC, SCALE)                                                         \
-  template <>                                                                                              \
-  __device__ __forceinline__ void mma_qk_s8<N>(int32_t (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, \
-                                               int scale_d) {                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                        \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.s32.s8.s8 {" AI8_ACC_REGS_##REGS "}, {" A_REGS   \
-                 "}, " DESC ", p;\n}\n"                                                                    \
-                 : AI8_ACC_OPERANDS_##REGS("r")                                                           \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                 \
-  }
-AI8_WGMMA_QK(64, 32, "%32, %33, %34, %35", "%36", "%37")
-#undef AI8_WGMMA_QK
+template <>
+__device__ __forceinline__ void mma_qk_s8<64>(int32_t (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" AI8_ACC_REGS_32 "}, %32, %33, p;\n}\n"
+               : AI8_ACC_OPERANDS_32("r")
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
 
 #define AI8_WGMMA_PV(N, ELEM, PTX_TYPE, REGS, A_REGS, DESC, SCALE)                                            \
   template <>                                                                                                 \
