@@ -6,9 +6,9 @@
 //                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
-// consumer warpgroups own 64 query rows each. Named barriers make the consumers take turns issuing
-// their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products instead
-// of all doing softmax at the same time. Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
+// consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
+// issuing their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products
+// instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
 // S_j and overlaps the softmax of tile j: ptxas waits for it after most of the exponentials (SASS), which it
 // did at D = 128 only once Q moved from registers to shared memory (benchmarks/RESULTS.md, v14 and v43).
 #include <cuda.h>
@@ -384,6 +384,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       wgmma::mma_pv<Traits::kPVN, Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_stage_desc, kk * 16 * 128));
     wgmma::commit_group();
   };
+  // This consumer's turn to issue wgmmas, and handing it on (no-ops without turn-taking).
+  auto take_turn = [&] {
+    if constexpr (Traits::kTakeTurns) sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Traits::kTakeTurns) sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
+  };
   auto release = [&](uint64_t* empty) {
     __syncwarp();
     if (lane == 0) sm90::mbarrier_arrive(empty);
@@ -399,7 +406,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
     sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
     if constexpr (!kFirst) wait_v(n_block - 1);
-    sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
+    take_turn();
     int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);
     wgmma::fence_operands(o_acc);
@@ -410,7 +417,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       wgmma::mma_qk_s8<BN>(s_int, wgmma::advance_desc(q_desc, ks * 32), wgmma::advance_desc(k_stage_desc, ks * 32), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(n_block - 1);
-    sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
+    pass_turn();
     wgmma::wait_group<kFirst ? 0 : 1>();  // S_j done (groups retire in order); P_{j-1} V_{j-1} may still run
     wgmma::fence_operands(s_int);
 
@@ -501,7 +508,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // Turn-taking, round robin from consumer 0: every step waits for its own turn and then hands the
     // turn to the next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes
     // one last turn at the end, so arrivals and waits match on every barrier.
-    if (consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
+    if (Traits::kTakeTurns && consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
     if (n_own > 0) {
       if (n_unmasked > 0) {
         step(0, True{}, False{});
@@ -515,9 +522,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // the tensor cores sooner. Nothing to release: a stage is reused kStages tiles later, past n_blocks (and a
     // consumer without rows is not counted by the empty barriers).
     static_assert(Traits::kStages >= Traits::kConsumers, "stages past a consumer's own tiles are never reused");
-    for (int n_block = n_own; n_block < n_blocks; ++n_block) {
-      sm90::named_barrier_sync(kTurnBarrier + consumer, kTurnThreads);
-      sm90::named_barrier_arrive(kTurnBarrier + next_consumer, kTurnThreads);
+    if constexpr (Traits::kTakeTurns) {
+      for (int n_block = n_own; n_block < n_blocks; ++n_block) take_turn(), pass_turn();
     }
 
     if (n_own > 0) {  // the last own tile's P V (its stage needs no release either)
@@ -528,7 +534,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       wgmma::wait_group<0>();
       wgmma::fence_operands(o_acc);
     }
-    if (consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kTurnThreads);
+    if (Traits::kTakeTurns && consumer == 0) sm90::named_barrier_sync(kTurnBarrier, kTurnThreads);
   }
 
   // Epilogue: normalize, store O in the input dtype, and the natural-log LSE. Every thread holds its rows'

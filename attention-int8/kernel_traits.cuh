@@ -91,6 +91,10 @@ struct Sm90AttentionKernelTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kLaunchRegs * kThreads, "claims exceed the pool");
   static constexpr int kStages = kStages_;
+  // Consumers take turns issuing their wgmmas at D = 128; at D = 64 they run free. Measured both ways (op time,
+  // benchmarks/RESULTS.md v44): turns are 2% faster at D = 128 without the causal mask (1% slower with it), and
+  // 3-4% slower at D = 64, whose shorter matrix products leave less for a waiting consumer to hide behind.
+  static constexpr bool kTakeTurns = kHeadDim == 128;
 
   static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
   static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
