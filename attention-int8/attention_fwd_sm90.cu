@@ -9,8 +9,8 @@
 // consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
 // issuing their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products
 // instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
-// S_j and overlaps the softmax of tile j: ptxas waits for it after most of the exponentials (SASS), which it
-// did at D = 128 only once Q moved from registers to shared memory (benchmarks/RESULTS.md, v14 and v43).
+// S_j and overlaps the softmax of tile j: ptxas waits for it partway through the exponentials (SASS), which
+// it did at D = 128 only once Q moved from registers to shared memory (benchmarks/RESULTS.md, v14 and v43).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
