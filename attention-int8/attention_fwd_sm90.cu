@@ -8,9 +8,10 @@
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
 // consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
 // issuing their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products
-// instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of tile j - 1 is issued with
-// S_j and overlaps the softmax of tile j: ptxas waits for it partway through the exponentials (SASS), which
-// it did at D = 128 only once Q moved from registers to shared memory (benchmarks/RESULTS.md, v14 and v43).
+// instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of
+// tile j - 1 is issued with S_j and overlaps the softmax of tile j: ptxas waits for it partway through the
+// exponentials (SASS), which it did at D = 128 only once Q moved from registers to shared memory
+// (benchmarks/RESULTS.md, v14 and v43).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -505,7 +506,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using False = std::false_type;
 
   if (n_blocks > 0) {
-    // Turn-taking, round robin from consumer 0: every step waits for its own turn and then hands the
+    // Turn-taking (D = 128), round robin from consumer 0: every step waits for its own turn and then hands the
     // turn to the next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes
     // one last turn at the end, so arrivals and waits match on every barrier.
     if (Traits::kTakeTurns && consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
