@@ -405,8 +405,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     constexpr bool kFirst = decltype(is_first)::value, kMasked = decltype(is_masked)::value;
     const int stage = stage_of<Traits>(n_block);
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
-    sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
-    if constexpr (!kFirst) wait_v(n_block - 1);
+    if constexpr (!kFirst && Traits::kPairedWaits) {
+      sm90::mbarrier_wait_both(smem.k_full(stage), phase_of<Traits>(n_block), smem.v_full(stage_of<Traits>(n_block - 1)),
+                               phase_of<Traits>(n_block - 1));
+    } else {
+      sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
+      if constexpr (!kFirst) wait_v(n_block - 1);
+    }
     take_turn();
     int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);

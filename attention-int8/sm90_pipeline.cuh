@@ -41,19 +41,33 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// Whether the phase of `parity` has completed (waiting a system-dependent time for it first).
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) {
+  }
+}
+
+// Waits for two phases at once: both first tests are in flight together, so a caller that finds both complete
+// pays for one round trip to the barriers, not two in a row.
+__device__ __forceinline__ void mbarrier_wait_both(uint64_t* bar_a, uint32_t parity_a, uint64_t* bar_b,
+                                                   uint32_t parity_b) {
+  const bool done_a = mbarrier_try_wait(bar_a, parity_a), done_b = mbarrier_try_wait(bar_b, parity_b);
+  if (!done_a) mbarrier_wait(bar_a, parity_a);
+  if (!done_b) mbarrier_wait(bar_b, parity_b);
 }
 
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory on
