@@ -459,9 +459,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     for (int r = 0; r < 2; ++r) {
       const ptx::SmallIntScale logit(quant::logit_scale(q.scale[r], k_scale));
       c[r] = logit.scale;
-      const float tile_max = tile_max_int[r] == kMaskedLogit ? -INFINITY : logit(tile_max_int[r]);
+      // Only a masked tile can be all masked; before it, unmasked tiles have made every row max finite.
+      const float tile_max = kMasked && tile_max_int[r] == kMaskedLogit ? -INFINITY : logit(tile_max_int[r]);
       const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
-      const float base = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: 2^(-inf - 0) = 0, not NaN
+      const float base = kMasked && m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: 2^(-inf - 0) = 0, not NaN
       alpha[r] = ptx::exp2_approx(row_max[r] - base);
       row_max[r] = m_new;
       bias[r] = logit.neg_magic_scale + (tile_max - base);

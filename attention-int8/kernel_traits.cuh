@@ -62,12 +62,13 @@ struct AttentionKernelTraits {
 // one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of
 // 64 keys x 64 channels (128 B per key) that the P.V wgmma reads MN-major (wgmma.cuh).
 //
-// Why three consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
+// Why several consumers of 64-key tiles: a warpgroup's softmax of one tile must finish while the other
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
-// one warp per other consumer. Three consumers put three softmax warps on every scheduler; their
-// registers (160 a thread) then only fit 64-key S and P tiles. Four consumers (D = 64, 112 registers) measured
-// 16-20% slower at N >= 4096 (benchmarks/RESULTS.md, v27).
-template <int kHeadDim_, typename Elem_, int kConsumers_ = 3, int kBlockN_ = 64, int kStages_ = 4>
+// one warp per other consumer. At D = 128 three consumers (160 registers a thread) fit 64-key S and P tiles
+// next to O. At D = 64, whose wgmmas are half as long and whose O is half the size, a fourth consumer (112
+// registers) keeps one more softmax in flight: op time -7% (benchmarks/RESULTS.md, v50; before v43 moved Q to
+// shared memory, four were 16-20% slower, v27).
+template <int kHeadDim_, typename Elem_, int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3), int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
