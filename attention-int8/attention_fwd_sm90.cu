@@ -43,10 +43,9 @@ struct Sm90Smem {
   __device__ char* o_tile(int consumer_warp) const {
     return stage_base + Traits::kStages * Traits::kSmemStageBytes + consumer_warp * Traits::kSmemOWarpBytes;
   }
-  __device__ uint64_t* k_full(int stage) const { return barriers + stage; }
-  __device__ uint64_t* v_full(int stage) const { return barriers + Traits::kStages + stage; }
-  __device__ uint64_t* k_empty(int stage) const { return barriers + 2 * Traits::kStages + stage; }
-  __device__ uint64_t* v_empty(int stage) const { return barriers + 3 * Traits::kStages + stage; }
+  // One full and one empty barrier per stage, for its K and V tiles together (why: the step comment in the kernel).
+  __device__ uint64_t* full(int stage) const { return barriers + stage; }
+  __device__ uint64_t* empty(int stage) const { return barriers + Traits::kStages + stage; }
 };
 
 // Accumulator register i of an m64nN fragment: which of the thread's two rows, and which column (wgmma.cuh).
@@ -261,17 +260,15 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
     const int64_t n0 = int64_t(n_begin + n_block) * BN;
-    sm90::mbarrier_wait(smem.k_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.k_full(stage), Traits::kSmemKBytes);
-    sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.k_full(stage));
+    sm90::mbarrier_wait(smem.empty(stage), free_parity);
+    sm90::mbarrier_arrive_expect_tx(smem.full(stage), Traits::kSmemKBytes + Traits::kSmemVBytes);
+    sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.full(stage));
     // Keys past seqlen_kv arrive as zeros (P is 0 there, and 0 * garbage could be NaN). Full boxes
     // count towards the transaction bytes either way.
-    sm90::mbarrier_wait(smem.v_empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.v_full(stage), Traits::kSmemVBytes);
 #pragma unroll
     for (int box = 0; box < Traits::kVBoxes; ++box)
       sm90::tma_load_4d(smem.v(stage) + box * Traits::kSmemVBoxBytes, v_map, box * Traits::kVBoxChannels, int(n0),
-                        head_kv, batch, smem.v_full(stage));
+                        head_kv, batch, smem.full(stage));
   }
 }
 
@@ -328,10 +325,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (tid == 0) {
     constexpr int kWarpsPerConsumer = Traits::kConsumerWarps / Traits::kConsumers;
     for (int s = 0; s < Traits::kStages; ++s) {
-      sm90::mbarrier_init(smem.k_full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
-      sm90::mbarrier_init(smem.v_full(s), 1);
-      sm90::mbarrier_init(smem.k_empty(s), kWarpsPerConsumer * row_consumers);  // one arrival per consumer warp
-      sm90::mbarrier_init(smem.v_empty(s), kWarpsPerConsumer * row_consumers);
+      sm90::mbarrier_init(smem.full(s), 1);  // the producer's arrive_expect_tx; the bytes do the rest
+      sm90::mbarrier_init(smem.empty(s), kWarpsPerConsumer * row_consumers);  // one arrival per consumer warp
     }
     sm90::fence_barrier_init();
   }
@@ -375,9 +370,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // until that wgmma completes.
   uint32_t p_frag[Traits::kPVSteps][4];
 
-  // Issues O += P V-tile for tile `n_block` (asynchronous; one commit group). Its V must have landed:
-  // the caller waits before the wgmma fence, since a spin loop between wgmmas makes ptxas serialize them.
-  auto wait_v = [&](int n_block) { sm90::mbarrier_wait(smem.v_full(stage_of<Traits>(n_block)), phase_of<Traits>(n_block)); };
+  // Issues O += P V-tile for tile `n_block` (asynchronous; one commit group). Its V has landed: the step of
+  // that tile waited for its stage.
   auto issue_pv = [&](int n_block) {
     const uint64_t v_stage_desc = wgmma::advance_desc(v_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
 #pragma unroll
@@ -397,7 +391,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if (lane == 0) sm90::mbarrier_arrive(empty);
   };
 
-  // One step of the key loop, for tile j. S_j = Q K_j^T and O += P_{j-1} V_{j-1} go to the tensor cores
+  // One step of the key loop, for tile j. It waits for tile j's stage, K_j and V_j on one barrier: V_j is needed
+  // only in the next step, but tiles land long before they are needed, and each barrier test is a round trip of
+  // ~80 SM cycles on the step's serial path (separate K and V barriers cost two a step).
+  // S_j = Q K_j^T and O += P_{j-1} V_{j-1} go to the tensor cores
   // back to back; the softmax of S_j needs only S_j, P_{j-1} V_{j-1} may still be computing. Between the
   // wgmma fence and the final wait the body must be branch-free: ptxas serializes the wgmmas
   // otherwise. Hence compile-time flags for the first tile (no P.V yet) and for masked tiles.
@@ -405,13 +402,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     constexpr bool kFirst = decltype(is_first)::value, kMasked = decltype(is_masked)::value;
     const int stage = stage_of<Traits>(n_block);
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
-    if constexpr (!kFirst && Traits::kPairedWaits) {
-      sm90::mbarrier_wait_both(smem.k_full(stage), phase_of<Traits>(n_block), smem.v_full(stage_of<Traits>(n_block - 1)),
-                               phase_of<Traits>(n_block - 1));
-    } else {
-      sm90::mbarrier_wait(smem.k_full(stage), phase_of<Traits>(n_block));
-      if constexpr (!kFirst) wait_v(n_block - 1);
-    }
+    sm90::mbarrier_wait(smem.full(stage), phase_of<Traits>(n_block));
     take_turn();
     int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);
@@ -484,8 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     wgmma::fence_operands(o_acc);
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
-    release(smem.k_empty(stage));  // K is consumed
-    if constexpr (!kFirst) release(smem.v_empty(stage_of<Traits>(n_block - 1)));
+    if constexpr (!kFirst) release(smem.empty(stage_of<Traits>(n_block - 1)));  // K_j-1 and V_j-1 are consumed
     if constexpr (!kFirst) {  // on the first tile O is still 0
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -534,7 +524,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
 
     if (n_own > 0) {  // the last own tile's P V (its stage needs no release either)
-      wait_v(n_own - 1);
       wgmma::fence_operands(o_acc);
       wgmma::fence();
       issue_pv(n_own - 1);

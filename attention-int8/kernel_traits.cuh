@@ -96,11 +96,6 @@ struct Sm90AttentionKernelTraits {
   // benchmarks/RESULTS.md v44): turns are 2% faster at D = 128 without the causal mask (1% slower with it), and
   // 3-4% slower at D = 64, whose shorter matrix products leave less for a waiting consumer to hide behind.
   static constexpr bool kTakeTurns = kHeadDim == 128;
-  // K_j and V_j-1 have usually landed long before step j needs them. At D = 64 the step tests both barriers at once,
-  // one round trip to them instead of two in a row (a clock64 probe at D = 128 put ~170 SM cycles of a ~1.6k-cycle
-  // step in these waits): op time -3%. At D = 128 ptxas then waits for the previous P.V 9 exponentials earlier (SASS),
-  // which costs 3% (benchmarks/RESULTS.md v47).
-  static constexpr bool kPairedWaits = kHeadDim == 64;
 
   static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
   static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
@@ -135,8 +130,8 @@ struct Sm90AttentionKernelTraits {
   // Until the epilogue, a consumer's four staging tiles hold its INT8 Q tile (64 rows), in K's swizzled layout.
   static_assert(4 * kSmemOWarpBytes % 1024 == 0 && 4 * kSmemOWarpBytes >= 64 * kQKRowBytes,
                 "a consumer's staging tiles hold its Q tile, on a swizzle atom boundary");
-  // Barriers: full/empty for K and for V per stage.
-  static constexpr int kBarriers = 4 * kStages;
+  // Barriers: full/empty per stage (K and V together).
+  static constexpr int kBarriers = 2 * kStages;
   static constexpr int kSmemBytes =
       1024 /* base alignment slack */ + kStages * kSmemStageBytes + kSmemOBytes + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");

@@ -61,15 +61,6 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// Waits for two phases at once: both first tests are in flight together, so a caller that finds both complete
-// pays for one round trip to the barriers, not two in a row.
-__device__ __forceinline__ void mbarrier_wait_both(uint64_t* bar_a, uint32_t parity_a, uint64_t* bar_b,
-                                                   uint32_t parity_b) {
-  const bool done_a = mbarrier_try_wait(bar_a, parity_a), done_b = mbarrier_try_wait(bar_b, parity_b);
-  if (!done_a) mbarrier_wait(bar_a, parity_a);
-  if (!done_b) mbarrier_wait(bar_b, parity_b);
-}
-
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory on
 // the copy engine; completion counts down `bar`'s transaction bytes. A plain byte copy: layouts that
 // wgmma needs (the 128-byte swizzle) must already be in global memory.
