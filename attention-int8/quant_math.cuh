@@ -57,14 +57,14 @@ __device__ __forceinline__ float scale_of(float amax, float out_scale, bool fini
   return finite ? amax / 127.f * out_scale : __int_as_float(0x7fc00000);
 }
 
-// The dequantization scale of query row i against key block b, q_scale * k_scale rounded half up to 22
-// significant bits (a relative change below 2^-22): S * logit_scale is the base-2 logit (Q's scale
+// The dequantization scale of query row i against key block b, q_scale * k_scale truncated to 22
+// significant bits (a relative change below 2^-21): S * logit_scale is the base-2 logit (Q's scale
 // carries sm_scale * log2(e)). 22 bits times the 2-bit 1.5 * 2^23 of ptx::SmallIntScale are exact
-// in fp32, which the kernels' one-FMA dequantization needs. A NaN stays NaN (the integer rounding would
-// carry the canonical NaN 0x7fffffff over into -0).
+// in fp32, which the kernels' one-FMA dequantization needs. Truncation is one instruction a row and key
+// tile (rounding took three, and the Hopper step does this twice: op time -1.5%, benchmarks/RESULTS.md
+// v53). Infinity stays infinity, and a NaN product stays NaN: the GPU's NaN 0x7fffffff keeps mantissa bits.
 __device__ __forceinline__ float logit_scale(float q_scale, float k_scale) {
-  const float c = q_scale * k_scale;
-  return isnan(c) ? c : __uint_as_float((__float_as_uint(c) + 2u) & ~3u);
+  return __uint_as_float(__float_as_uint(q_scale * k_scale) & ~3u);
 }
 
 }  // namespace quant

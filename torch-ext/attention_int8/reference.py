@@ -16,7 +16,7 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    unspecified; here 0), so NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
 3. ``S2[i, j] = (q_q[i] . k_q[j]) * c[i, j // 64]`` with the logit scale ``c = q_scale[i] * k_scale[b]``
-   rounded (half up) to 22 significant bits: exact integer dot products dequantized by one fp32
+   truncated to 22 significant bits: exact integer dot products dequantized by one fp32
    multiply. S2 is the logit in base 2. (One scale per row and key block is what lets the kernels take
    a tile's max on the integers and exponentiate with one FMA; 22 bits make that FMA exact.)
 4. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
@@ -48,10 +48,10 @@ _MAX_SCORE_ELEMENTS = 1 << 25
 
 
 def logit_scale(q_scale, k_scale):
-    """``q_scale * k_scale`` in fp32, rounded (half up) to 22 significant bits, as the kernels compute it: their
-    one-FMA dequantization is then exact. NaN stays NaN."""
+    """``q_scale * k_scale`` in fp32, truncated to 22 significant bits, as the kernels compute it: their
+    one-FMA dequantization is then exact. NaN stays NaN (whatever its payload bits), infinity stays infinity."""
     c = q_scale * k_scale
-    return torch.where(c.isnan(), c, ((c.view(torch.int32) + 2) & ~3).view(torch.float32))
+    return torch.where(c.isnan(), c, (c.view(torch.int32) & ~3).view(torch.float32))
 
 
 def quantize_int8(x, mean=None, out_scale=1.0, tokens_per_scale=1):
