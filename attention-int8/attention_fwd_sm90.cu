@@ -5,8 +5,8 @@
 //                   is the A-register layout), V read transposed (MN-major) from shared memory and
 //                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
-// keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three
-// consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
+// keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three (D = 128)
+// or four (D = 64) consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
 // issuing their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products
 // instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of
 // tile j - 1 is issued with S_j and overlaps the softmax of tile j: ptxas waits for it partway through the
