@@ -84,8 +84,10 @@ constexpr float kRescaleSlack = 8.f;
 // predecessor (w - 1, cyclically) arrives there. Each barrier phase counts both warpgroups' threads.
 constexpr int kTurnBarrier = 1;
 constexpr int kTurnThreads = 2 * 128;
-// Named barriers kQTileBarrier + w: consumer w's 128 threads, once its Q tile is in shared memory.
-constexpr int kQTileBarrier = kTurnBarrier + 4;
+// Named barriers kQTileBarrier + w, right after the turn barriers: consumer w's 128 threads, once its Q tile is
+// in shared memory.
+template <typename Traits>
+constexpr int kQTileBarrier = kTurnBarrier + Traits::kConsumers;
 
 // Tile j of the key loop lives in stage j % kStages; its barriers' phase flips on every pass over the stages.
 // (Unsigned: a signed division would add its rounding fix-ups to every step.)
@@ -280,8 +282,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
-  static_assert(kQTileBarrier >= kTurnBarrier + Traits::kConsumers && kQTileBarrier + Traits::kConsumers <= 16,
-                "named barrier ids overlap or run out");
+  static_assert(kQTileBarrier<Traits> + Traits::kConsumers <= 16, "named barrier ids run out");
 
   extern __shared__ char smem_raw[];
   // The swizzle atoms (at most 1024 bytes) are anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   char* q_tile = smem.o_tile(consumer * 4);
   const QRowScales q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, q_tile, warp_in_group, group, tig);
   sm90::fence_proxy_async_smem();  // the generic-proxy stores, before the wgmmas read them
-  sm90::named_barrier_sync(kQTileBarrier + consumer, 128);
+  sm90::named_barrier_sync(kQTileBarrier<Traits> + consumer, 128);
   const uint64_t q_desc = ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(q_tile));
   const float* k_scales = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens) + n_begin;  // one per key tile
   // Operand descriptors of stage 0; steps and stages are offsets from them. Kept in registers for the whole
