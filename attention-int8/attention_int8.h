@@ -86,8 +86,14 @@ struct FastDivisor {
   }
 };
 
-// The sm90 kernel's grid: one CTA per work tile (block_m query rows of one (batch, head)), tile index
-// (batch * heads + head) * query_blocks + query block, except for split-KV at the end. A grid of `tiles` CTAs on
+// The sm90 kernel's grid: one CTA per work tile (block_m query rows of one (batch, head)), except for split-KV at
+// the end. Tiles are numbered in chunks of chunk_heads consecutive (batch, head) pairs; inside a chunk the query
+// block is the slower index, counted down from the last, and the chunk's heads the faster one:
+//   tile = (chunk * query_blocks + (query_blocks - 1 - query block)) * chunk_heads + head in chunk.
+// The GPU starts CTAs in index order. Under the causal mask a tile's length grows with its query block, so each
+// chunk runs longest first and a grid ends in its shortest tiles; with the heads of a chunk chosen so that their
+// K and V fit in half the L2, the CTAs running at once share them there. Without the mask chunk_heads is 1: the
+// query block is the fastest index. A grid of `tiles` CTAs on
 // S SMs ends in a wave of tiles % S of them that leaves the other SMs idle for a whole tile's time; the last
 // `split_tiles` tiles are then cut into `splits` ranges of key tiles each, run as separate CTAs that write their
 // normalized fp32 O and row statistics to partial buffers, and a combine kernel merges a row's splits s: with
@@ -110,6 +116,7 @@ struct TileSchedule {
   int64_t split_tiles = 0;  // the last split_tiles of them are split (0: none)
   FastDivisor splits;       // ways each split tile is split (1: none)
   FastDivisor query_blocks, heads, head_group;  // the decode's divisors; head_group = q heads per k/v head
+  FastDivisor chunk_heads, chunk_tiles;           // chunk_tiles = chunk_heads * query_blocks
   int block_m = 0;          // query rows of a work tile
   __host__ __device__ int64_t full_tiles() const { return tiles - split_tiles; }
   __host__ __device__ int64_t ctas() const { return full_tiles() + split_tiles * splits.divisor; }
@@ -178,9 +185,9 @@ cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
-// The sm90 kernel's grid for `params` (its shape fields set) on a GPU of sm_count SMs: splits only the last,
-// partial wave, unless forced_splits > 0 splits every tile that many ways (a test hook; capped by
-// kMaxKvSplits and the key tiles). Never splits causal attention.
-TileSchedule tile_schedule_sm90(const AttentionParams& params, int sm_count, int forced_splits);
+// The sm90 kernel's grid for `params` (its shape fields set) on a GPU of sm_count SMs and l2_bytes of L2: splits
+// only the last, partial wave, unless forced_splits > 0 splits every tile that many ways (a test hook; capped by
+// kMaxKvSplits and the key tiles). Never splits causal attention; orders its tiles in chunks of heads instead.
+TileSchedule tile_schedule_sm90(const AttentionParams& params, int sm_count, int64_t l2_bytes, int forced_splits);
 
 }  // namespace attention_int8

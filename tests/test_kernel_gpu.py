@@ -249,6 +249,24 @@ def test_kv_splits(ai8, monkeypatch, case, splits):
     assert not failures, failures
 
 
+# Causal shapes whose (batch, head) pairs the Hopper kernel orders in several chunks (TileSchedule): on a GPU with
+# 50 MiB of L2 (H100, H200) the heads whose K and V fit in half of it are 4 of 12, 8 of 16 (GQA) and 4 of 12.
+# Elsewhere the chunks differ, but the tiles must still all be computed, once.
+HEAD_CHUNK_CASES = [
+    Case(batch=2, heads_q=6, heads_kv=6, seqlen_q=600, seqlen_kv=16384, head_dim=128, is_causal=True),
+    Case(batch=1, heads_q=16, heads_kv=2, seqlen_q=300, seqlen_kv=65536, head_dim=128, is_causal=True,
+         dtype=torch.bfloat16),
+    Case(batch=2, heads_q=6, heads_kv=6, seqlen_q=700, seqlen_kv=32768, head_dim=64, is_causal=True),
+]
+
+
+@pytest.mark.parametrize("case", HEAD_CHUNK_CASES, ids=str)
+def test_causal_head_chunks(ai8, monkeypatch, case):
+    select_kernel(monkeypatch, "auto")
+    failures = check_case(ai8, case)
+    assert not failures, failures
+
+
 def _kernel_names(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()

@@ -290,8 +290,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.dtype = elem_type_of(q);
   at::Tensor o_partial, row_stats;
   if (sm90) {
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    params.schedule = ai8::tile_schedule_sm90(params, sms, kv_splits);
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+    params.schedule = ai8::tile_schedule_sm90(params, props->multiProcessorCount, props->l2CacheSize, kv_splits);
     if (params.schedule.split_tiles > 0) {
       const auto f32 = q.options().dtype(at::kFloat);
       o_partial = at::empty({params.schedule.partial_rows(), sq.head_dim}, f32);
