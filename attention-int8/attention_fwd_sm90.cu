@@ -713,7 +713,7 @@ TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int64_t l2_by
   sched.head_group = FastDivisor(uint32_t(p.heads_q / p.heads_kv));
   const int chunk_heads = p.causal && sched.tiles > 0 ? causal_chunk_heads(p, Traits::kHeadDim, l2_bytes) : 1;
   sched.chunk_heads = FastDivisor(uint32_t(chunk_heads));
-  sched.chunk_tiles = FastDivisor(uint32_t(chunk_heads * query_blocks));
+  sched.chunk_tiles = FastDivisor(uint32_t(int64_t(chunk_heads) * query_blocks));  // <= tiles (the launcher caps)
   const int key_tiles = int(ceil_div(p.seqlen_kv, Traits::kBlockN));
   if (p.causal || sched.tiles == 0 || key_tiles < 2 || sm_count < 1) return sched;
   int splits = 1;
