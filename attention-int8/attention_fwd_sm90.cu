@@ -683,10 +683,8 @@ cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
 
 }  // namespace
 
-// Causal tiles are not split but ordered (TileSchedule): started in index order, a grid whose query blocks are its
-// fastest index starts each head's longest tile right after the previous head's shortest, up to the last wave,
-// where a long tile then runs on while the other SMs idle (~9% of the causal N = 2048 kernel's time, in ncu and in
-// a simulation of the dispatch). Longest first over chunks of heads whose K and V take at most half the L2.
+// Causal tiles are not split but ordered longest first, in chunks of heads (TileSchedule): this many heads, the
+// most whose K and V take at most half the L2 and that divide the grid's heads evenly (benchmarks/RESULTS.md, v56).
 static int causal_chunk_heads(const AttentionParams& p, int head_dim, int64_t l2_bytes) {
   const int64_t bh = int64_t(p.batch) * p.heads_q;
   const int64_t kv_head_bytes = int64_t(p.seqlen_kv) * head_dim * (1 + 2);  // INT8 K and 16-bit V
