@@ -104,7 +104,7 @@ __device__ __forceinline__ uint32_t phase_of(int n_block) { return (uint32_t(n_b
 // at 16 + 4 tig: a quarter of each row, so a row's amax is a max over its quad.
 struct QRowScales {
   float scale[2];     // per row, includes sm_scale * log2(e)
-  float mean_dot[2];  // q_row . k_mean (the LSE's smoothing shift); 0 without p.k_mean
+  float center_dot[2];  // q_row . k_center (the LSE's smoothing shift); 0 without p.k_center
 };
 
 __device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
@@ -166,15 +166,15 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     inv_scale[r] = quant::inv_scale_of(amax);
     prescale[r] = quant::prescale_of(amax);
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
-    q.mean_dot[r] = 0.f;
+    q.center_dot[r] = 0.f;
   }
-  if (p.lse != nullptr && p.k_mean != nullptr) {
-    const float* mean = p.k_mean + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
+  if (p.lse != nullptr && p.k_center != nullptr) {
+    const float* center = p.k_center + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < kPerRow; ++i) q.mean_dot[r] += x[r][i] * mean[16 * (i / 4) + i % 4];
-    ptx::quad_reduce(q.mean_dot, [](float a, float b) { return a + b; });
+      for (int i = 0; i < kPerRow; ++i) q.center_dot[r] += x[r][i] * center[16 * (i / 4) + i % 4];
+    ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   sm90::claim_registers<Traits::kConsumerRegs>();
 
-  ptx::wait_for_predecessor();  // before k_mean, K's scales and any global write (dispatch.cuh's launch())
+  ptx::wait_for_predecessor();  // before k_center, K's scales and any global write (dispatch.cuh's launch())
   // The Q tile lives in the consumer's O staging tiles, which the epilogue uses only after the last wgmma.
   char* q_tile = smem.o_tile(consumer * 4);
   const QRowScales q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, q_tile, warp_in_group, group, tig);
@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   for (int r = 0; r < 2; ++r) {
     const float sum = o_acc[Traits::kOutRegs + 2 * r];
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
-    const float lse_shift = p.sm_scale * q.mean_dot[r];
+    const float lse_shift = p.sm_scale * q.center_dot[r];
     if (partial) {
       if (rows[r] < p.seqlen_q) {
         const int64_t partial_row = work.partial_row0 + (rows[r] - m0);

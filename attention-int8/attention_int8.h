@@ -55,7 +55,7 @@ struct QuantizeParams {
   int8_t* x_q;
   float* scale;
   // Optional, from the unquantized row: row_dot[b, h, n] = x[b, h, n, :] . dot_vec[b, h / dot_head_group, :].
-  // Q rows dotted with K's token mean give the logit shift that K smoothing removed, which the LSE needs.
+  // Q rows dotted with K's centre give the logit shift that K smoothing removed, which the LSE needs.
   const float* dot_vec;  // [B, H / dot_head_group, D] fp32 contiguous, or nullptr
   int dot_head_group;
   float* row_dot;        // [B, H, seqlen_pad]
@@ -67,8 +67,8 @@ struct QuantizeParams {
   // order of swizzle.cuh (D-byte rows), the shared-memory image the sm90 kernel's wgmma reads, so it
   // loads tiles with plain contiguous copies.
   bool sm90_layout;
-  // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): the token
-  // mean's, whose output is `mean`.
+  // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): K's
+  // centre's, whose output is `mean`.
   bool programmatic_launch;
 };
 
@@ -108,7 +108,7 @@ constexpr int kMaxKvSplits = 4;
 struct SplitRowStats {
   float max_log2;   // m_s
   float sum;        // l_s
-  float lse_shift;  // the LSE's smoothing shift sm_scale * (q_row . k_mean), 0 without it
+  float lse_shift;  // the LSE's smoothing shift sm_scale * (q_row . k_center), 0 without it
 };
 
 struct TileSchedule {
@@ -142,9 +142,9 @@ struct AttentionParams {
   void* o;                // rows 16-byte aligned (the binding allocates O dense)
   RowMajorView o_view;
   float* lse;             // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
-  // sm90, with lse: K's token mean [B, Hkv, D] fp32 when K was smoothed (else nullptr); the kernel adds
-  // the shift sm_scale * (q_i . k_mean) that smoothing took out of row i's logits back to its LSE.
-  const float* k_mean;
+  // sm90, with lse: K's centre [B, Hkv, D] fp32 when K was smoothed (else nullptr); the kernel adds
+  // the shift sm_scale * (q_i . k_center) that smoothing took out of row i's logits back to its LSE.
+  const float* k_center;
   float sm_scale;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
@@ -156,31 +156,40 @@ struct AttentionParams {
   ElemType dtype;
 };
 
-// K's token mean for smoothing, mean[b, h, :] = sum_n x[b, h, n, :] / seqlen: summed in fp64 and
-// rounded once to fp32. The fp64 sum is exact whenever the values' exponents span fewer than
-// 53 - 11 - log2(seqlen) binades (any fp16 input up to 8192 rows, any ordinarily ranged data), so it
-// does not depend on the summation order, and reference.py reproduces it with x.double().mean().
-// Two launches: fp64 sums of blocks of rows_per_chunk rows per head (more blocks than heads keep the
-// GPU busy), then their total in a fixed order.
-struct TokenMeanParams {
+// K's smoothing centre, center[b, h, :]: the mean of a sample of K's rows (keys) without the sample's outliers.
+// Any vector subtracted from every key shifts each logit row by a constant, so only K's INT8 range depends
+// on the centre; the token mean would do, but it is a pass over all of K (~8% of the op at causal N = 2048).
+// - The sample: every key up to kCenterSampleKeys, else one in each stratum of seqlen / kCenterSampleKeys keys
+//   at a hashed offset (center_sample_key; a fixed stride can alias with periodic structure such as the
+//   rows of an image's tokens).
+// - Its plain mean m0, then each sample key's distance max_d |k_d - m0_d| (fp32, NaN if any term is);
+//   the kCenterSampleKeys / kCenterTrimDivisor farthest keys (or more, where distances tie) are left out,
+//   since one attention-sink key, many times the others' size, would move a sample's mean by 1/128 of
+//   itself (benchmarks/smoothing_center.py). More NaN distances than that leave no key: centre NaN.
+// - The centre is the kept keys' mean. The sums are fp64 and exact for fp16 data (and for ordinarily ranged
+//   bf16), so the order of summation does not matter and reference.py's key_center matches bit for bit.
+struct KeyCenterParams {
   const void* x;
   RowMajorView x_view;
-  double* partials;  // workspace [B, H, token_mean_chunks(seqlen, rows_per_chunk), D]
-  float* mean;       // [B, H, D]
-  int batch, heads, seqlen, head_dim, rows_per_chunk;
+  float* center;  // [B, H, D]
+  int batch, heads, seqlen, head_dim;
   ElemType dtype;
-  bool programmatic_launch;  // the second launch starts under the first one's tail (sm_90+, dispatch.cuh)
 };
 
-// Token-sum blocks (256 threads) one SM holds at once, which their __launch_bounds__ guarantee (at most 64
-// registers a thread). The binding sizes the chunks to fill the GPU with one wave of them.
-constexpr int kTokenMeanBlocksPerSm = 4;
+constexpr int kCenterSampleKeys = 128;
+constexpr int kCenterTrimDivisor = 32;
 
-__host__ __device__ constexpr int64_t token_mean_chunks(int64_t seqlen, int64_t rows_per_chunk) {
-  return ceil_div(seqlen, rows_per_chunk);
+// Sample key i < min(seqlen, kCenterSampleKeys): in stratum i, keys [i N / S, (i + 1) N / S) (integer
+// quotients, so no two strata share a key), at the fraction of the stratum given by the upper 16 bits of a
+// multiplicative hash of i (reference.py: center_sample).
+__host__ __device__ constexpr int64_t center_sample_key(int64_t i, int64_t seqlen) {
+  if (seqlen <= kCenterSampleKeys) return i;
+  const int64_t first = i * seqlen / kCenterSampleKeys, end = (i + 1) * seqlen / kCenterSampleKeys;
+  const int64_t fraction = ((i * 2654435761LL) & 0xffffffffLL) >> 16;
+  return first + ((fraction * (end - first)) >> 16);
 }
 
-cudaError_t launch_token_mean(const TokenMeanParams& params, cudaStream_t stream);
+cudaError_t launch_key_center(const KeyCenterParams& params, cudaStream_t stream);
 cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
 // Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);

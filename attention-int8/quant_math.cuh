@@ -6,7 +6,7 @@
 // the same for every logit a thread holds of one row of a key tile: the softmax takes the max on the
 // integer dot products and turns each into its exponent with one FMA (attention_fwd_sm90.cu), instead
 // of a multiply by each key's own scale. Per-token Q costs nothing (a thread's rows are fixed), and K,
-// smoothed by its token mean first, has no channel offsets left to make one key's range another's.
+// smoothed by its centre first (KeyCenterParams), has no channel offsets left to make one key's range another's.
 // Why symmetric [-127, 127]: zero maps to zero and the range is the same on both sides, so x_q * scale
 // is an unbiased reconstruction.
 #pragma once

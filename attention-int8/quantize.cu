@@ -2,8 +2,8 @@
 // see QuantizeParams in attention_int8.h; the arithmetic, and why these granularities, in quant_math.cuh.
 // Scales of whole rows (or row blocks) are what fixed the original kernel's bug: no scale is shared by
 // rows whose logits do not share it in the kernels.
-// K arrives with its token mean subtracted (smoothing): channel-wise offsets shared by all keys would
-// otherwise dominate amax and leave few INT8 levels for the part of K that differs between keys.
+// K arrives with its centre subtracted (smoothing; key_center_kernel below): channel-wise offsets shared by
+// all keys would otherwise dominate amax and leave few INT8 levels for the part of K that differs between keys.
 #include <cmath>
 #include <cstdint>
 
@@ -22,8 +22,8 @@ constexpr int kRowIters = 4;    // row groups per warp
 // Quantizer blocks per SM: holds its two paths (quantize_kernel) to 64 registers; unbounded they took 77.
 constexpr int kQuantBlocksPerSm = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kMeanThreads = 256;
-constexpr int kMeanRowsInFlight = 8;  // rows each lane loads before adding them
+constexpr int kCenterThreads = 4 * kCenterSampleKeys;  // 4 sample rows a thread at D = 128; the first
+                                                       // kCenterSampleKeys threads rank one row each
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
 // end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
@@ -99,7 +99,7 @@ __device__ __forceinline__ void load8(const Elem* x, Elem (&e8)[kChunkElems]) {
   }
 }
 
-// One row's check instead of the view's (the token sums; a uniform test there costs registers).
+// One row's check instead of the view's (the sampled rows of K's centre, scattered over the sequence).
 template <typename Elem>
 __device__ __forceinline__ void load8_checked(const Elem* x, Elem (&e8)[kChunkElems]) {
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
@@ -114,7 +114,7 @@ __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChu
   if (r.has_data) load8<kAligned>(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
 }
 
-// The lane's 8 channels of a per-head fp32 vector (the token mean or the row_dot weights): loaded once
+// The lane's 8 channels of a per-head fp32 vector (K's centre or the row_dot weights): loaded once
 // per lane, since the lane's channels are the same in all its rows.
 __device__ __forceinline__ void load_channels(const float* x, float (&c8)[kChunkElems]) {
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
@@ -233,7 +233,7 @@ __device__ __forceinline__ void store_scale(const QuantizeParams& p, const RowCh
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
 // memory-bound kernel needs those bytes in flight, and it keeps them as raw 16-byte chunks (4 registers a
 // row, against 8 as fp32). The rows are the user's input, so they load before the wait for the
-// predecessor (under programmatic launch, while the token mean is still being finished).
+// predecessor (under programmatic launch, while K's centre is still being computed).
 template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial>
 __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
@@ -250,7 +250,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) load_chunk<false>(p, rows[it], chunk, e8[it]);
   }
-  ptx::wait_for_predecessor();  // the token mean (a no-op unless launched as its dependent)
+  ptx::wait_for_predecessor();  // K's centre (a no-op unless launched as its dependent)
   float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
   if (chunk < Shape::kChunks) {
     const int b = blockIdx.z, h = blockIdx.y;
@@ -312,72 +312,134 @@ __global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_
   }
 }
 
-// Token mean, pass 1: each block sums the rows [chunk * rows_per_chunk, ...) of one head in fp64, one
-// row group per kLanes lanes, then adds the row groups' sums in a fixed order through shared memory.
-template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kMeanThreads, kTokenMeanBlocksPerSm) token_sum_partials_kernel(const TokenMeanParams p) {
+// The centre's fp64 sums: a thread's 8 channels over its sample rows that `use` selects, then over the
+// row groups through shared memory, so that thread d < kHeadDim returns channel d's total. Exact for fp16
+// data (KeyCenterParams): the order of the additions does not change the result.
+template <int kHeadDim, int kRowGroups, int kRows, typename Elem>
+__device__ __forceinline__ double channel_total(const Elem (&e8)[kRows][kChunkElems], const bool (&use)[kRows],
+                                                double (&group_sums)[kRowGroups][kHeadDim]) {
   using Shape = QuantRowShape<kHeadDim>;
-  constexpr int kRowGroups = kMeanThreads / Shape::kLanes;
-  const int b = blockIdx.z, h = blockIdx.y, lane_chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
-  ptx::allow_dependents();  // the finishing pass launches now and waits for this grid's sums
-  const int n_begin = blockIdx.x * p.rows_per_chunk, n_end = min(p.seqlen, n_begin + p.rows_per_chunk);
+  const int chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
   double sum[kChunkElems] = {};
-  if (lane_chunk < Shape::kChunks) {
-    // kMeanRowsInFlight loads before the first add: a memory-bound loop needs the bytes in flight. The
-    // rows are still added one after the other, in order.
-    for (int n0 = n_begin + group; n0 < n_end; n0 += kMeanRowsInFlight * kRowGroups) {
-      alignas(16) Elem e8[kMeanRowsInFlight][kChunkElems];
 #pragma unroll
-      for (int u = 0; u < kMeanRowsInFlight; ++u)
-        if (n0 + u * kRowGroups < n_end)
-          load8_checked(chunk_ptr<Elem>(p.x, p.x_view, b, h, n0 + u * kRowGroups, lane_chunk), e8[u]);
+  for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int u = 0; u < kMeanRowsInFlight; ++u)
+    for (int e = 0; e < kChunkElems; ++e)
+      if (use[i]) sum[e] += to_float(e8[i][e]);
+  if (chunk < Shape::kChunks) {
 #pragma unroll
-        for (int e = 0; e < kChunkElems; ++e)
-          if (n0 + u * kRowGroups < n_end) sum[e] += to_float(e8[u][e]);
-    }
-  }
-  __shared__ double group_sums[kRowGroups][kHeadDim];
-  if (lane_chunk < Shape::kChunks) {
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) group_sums[group][lane_chunk * kChunkElems + e] = sum[e];
+    for (int e = 0; e < kChunkElems; ++e) group_sums[group][chunk * kChunkElems + e] = sum[e];
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < kHeadDim; d += kMeanThreads) {
-    double total = 0.0;
-    for (int g = 0; g < kRowGroups; ++g) total += group_sums[g][d];
-    p.partials[((int64_t(b) * p.heads + h) * gridDim.x + blockIdx.x) * kHeadDim + d] = total;
+  double total = 0.0;
+  if (threadIdx.x < kHeadDim) {
+#pragma unroll 8
+    for (int g = 0; g < kRowGroups; ++g) total += group_sums[g][threadIdx.x];
   }
+  __syncthreads();  // group_sums is reused
+  return total;
 }
 
-// Token mean, pass 2: one thread per channel adds the chunks' sums in order, divides, rounds once.
-__global__ void token_mean_finish_kernel(const TokenMeanParams p) {
-  ptx::allow_dependents();
-  ptx::wait_for_predecessor();  // the partial sums
-  const int64_t bh = int64_t(blockIdx.z) * p.heads + blockIdx.y;
-  const int d = threadIdx.x;
-  double total = 0.0;
-  const int chunks = int(token_mean_chunks(p.seqlen, p.rows_per_chunk));
-  for (int c = 0; c < chunks; ++c) total += p.partials[(bh * chunks + c) * p.head_dim + d];
-  p.mean[bh * p.head_dim + d] = __double2float_rn(total / p.seqlen);
+// K's smoothing centre (KeyCenterParams), one block per head. The sample rows spread over groups of kLanes
+// lanes as in the quantizer; each thread keeps its rows' raw chunks for the passes over them: the plain
+// mean, each row's distance from it, and the sum of the rows left out, which the total less it gives the
+// kept rows' sum (a second pass over all rows only where a total is not finite).
+template <int kHeadDim, typename Elem>
+__global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const KeyCenterParams p) {
+  using Shape = QuantRowShape<kHeadDim>;
+  constexpr int kRowGroups = kCenterThreads / Shape::kLanes;
+  constexpr int kRows = kCenterSampleKeys / kRowGroups;  // a thread's sample rows: group + kRowGroups * i
+  __shared__ double group_sums[kRowGroups][kHeadDim];
+  __shared__ float plain_mean[kHeadDim];
+  __shared__ alignas(16) uint32_t distance_bits[kCenterSampleKeys];
+  __shared__ bool kept_row[kCenterSampleKeys];
+  ptx::allow_dependents();  // the K quantizer launches now and loads its rows while this runs
+  const int b = blockIdx.z, h = blockIdx.y, chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
+  const int n = min(p.seqlen, kCenterSampleKeys), trim = n / kCenterTrimDivisor;
+  const bool aligned = rows_aligned<Elem>(p.x, p.x_view);
+  alignas(16) Elem e8[kRows][kChunkElems];
+  bool use[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {  // idle lanes (D = 96) take no part
+    const int row = group + kRowGroups * i;
+    use[i] = row < n && chunk < Shape::kChunks;
+    if (use[i]) {
+      const Elem* x = chunk_ptr<Elem>(p.x, p.x_view, b, h, int(center_sample_key(row, p.seqlen)), chunk);
+      if (aligned) {
+        load8<true>(x, e8[i]);
+      } else {
+        load8<false>(x, e8[i]);
+      }
+    }
+  }
+  const double total = channel_total(e8, use, group_sums);
+  if (threadIdx.x < kHeadDim) plain_mean[threadIdx.x] = __double2float_rn(total / n);
+  if (threadIdx.x < kCenterSampleKeys) distance_bits[threadIdx.x] = ~0u;  // past n: never closer than a row
+  __syncthreads();
+
+  // Distance of each row from the plain mean: max_d |k_d - m0_d| in fp32 as |x| bits, whose unsigned max
+  // is the float max with NaN above infinity (NaN propagates, as in reference.py's amax).
+  float m0[kChunkElems] = {};
+  if (chunk < Shape::kChunks) {
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) m0[e] = plain_mean[chunk * kChunkElems + e];
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    uint32_t bits = 0;
+    if (use[i]) {
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e) bits = max(bits, quant::abs_bits(to_float(e8[i][e]) - m0[e]));
+    }
+    bits = group_reduce<Shape::kLanes>(bits, quant::UnsignedMax{});
+    if (use[i] && chunk == 0) distance_bits[group + kRowGroups * i] = bits;
+  }
+  __syncthreads();
+
+  // Thread t < n ranks sample row t: kept if fewer than n - trim rows lie strictly closer, i.e. its distance
+  // is at most the (n - trim)-th smallest. NaN distances sort last; more of them than `trim` leave no row.
+  const bool ranks = threadIdx.x < n;
+  const uint32_t own = ranks ? distance_bits[threadIdx.x] : 0;
+  const int nan_rows = __syncthreads_count(ranks && own > quant::kInfBits);
+  int closer = 0;
+#pragma unroll 8
+  for (int j = 0; j < kCenterSampleKeys; j += 4) {
+    const uint4 d4 = *reinterpret_cast<const uint4*>(&distance_bits[j]);
+    closer += (d4.x < own) + (d4.y < own) + (d4.z < own) + (d4.w < own);
+  }
+  const bool kept = ranks && nan_rows <= trim && closer < n - trim;
+  if (threadIdx.x < kCenterSampleKeys) kept_row[threadIdx.x] = kept;
+  const int kept_rows = __syncthreads_count(kept);
+
+  // The kept rows' sum: the total less the rows left out (none of them in most threads), unless a total
+  // is not finite: an infinity left out must not stay in the sum.
+  bool left_out[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) left_out[i] = use[i] && !kept_row[group + kRowGroups * i];
+  const bool finite_totals = !__syncthreads_or(threadIdx.x < kHeadDim && !isfinite(total));
+  double kept_sum;
+  if (finite_totals) {
+    kept_sum = total - channel_total(e8, left_out, group_sums);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) use[i] = use[i] && !left_out[i];
+    kept_sum = channel_total(e8, use, group_sums);
+  }
+  if (threadIdx.x < kHeadDim)  // 0 / 0 = NaN when no row is kept
+    p.center[(int64_t(b) * p.heads + h) * kHeadDim + threadIdx.x] = __double2float_rn(kept_sum / kept_rows);
 }
 
 }  // namespace
 
-cudaError_t launch_token_mean(const TokenMeanParams& p, cudaStream_t stream) {
-  if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0 || p.rows_per_chunk < 1) return cudaErrorInvalidValue;
+cudaError_t launch_key_center(const KeyCenterParams& p, cudaStream_t stream) {
+  if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0) return cudaErrorInvalidValue;
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
-  const int chunks = int(token_mean_chunks(p.seqlen, p.rows_per_chunk));
-  const cudaError_t err = dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+  return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      token_sum_partials_kernel<decltype(head_dim)::value, decltype(elem)>
-          <<<dim3(chunks, p.heads, p.batch), kMeanThreads, 0, stream>>>(p);
+      key_center_kernel<decltype(head_dim)::value, decltype(elem)><<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p);
       return cudaGetLastError();
     });
   });
-  if (err != cudaSuccess) return err;
-  return launch(token_mean_finish_kernel, dim3(1, p.heads, p.batch), p.head_dim, 0, stream, p.programmatic_launch, p);
 }
 
 cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {

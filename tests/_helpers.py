@@ -150,6 +150,29 @@ def make_qkv(case, device="cpu", generator=None):
     return tuple(to_layout(t.to(case.dtype), case.layout) for t in (q, k, v))
 
 
+CENTER_KINDS = ("k_offset", "sinks", "ties", "inf", "nan")
+
+
+def center_inputs(ai8, kind, seqlen=4096, head_dim=128, dtype=torch.float16, device="cpu"):
+    """Fresh K [2, 3, seqlen, head_dim] with a channel offset shared by its keys, plus one feature of its centre
+    (reference.key_center) in every head: "sinks" makes as many sampled keys 20x larger as the centre leaves
+    out, "ties" copies the largest sampled key over the 5 largest (ties keep them all), "inf" / "nan" puts one
+    non-finite value in a sampled key."""
+    k = torch.randn(2, 3, seqlen, head_dim, device=device) + 10 * torch.randn(2, 3, 1, head_dim, device=device)
+    sample = ai8.reference.center_sample(seqlen)
+    n = len(sample)
+    far = sample[torch.randperm(n)[: max(1, n // ai8.reference.CENTER_TRIM_DIVISOR)]]
+    if kind == "sinks":
+        k[:, :, far] *= 20
+    elif kind == "ties":
+        k[:, :, sample[-5:]] = 30 * k[:, :, sample[:1]]
+    elif kind in ("inf", "nan"):
+        k[:, :, far[0], head_dim // 3] = math.inf if kind == "inf" else math.nan
+    elif kind != "k_offset":
+        raise ValueError(f"unknown centre input kind {kind!r}")
+    return k.to(dtype)
+
+
 def poison_like(t):
     """A tensor like t filled with NaN: any element a kernel fails to write stays visibly wrong."""
     return torch.full_like(t, math.nan)

@@ -4,7 +4,9 @@
 
 Covers N = 1, tails of the 128-row query and 64/128-key tiles (65, 129, 200), Nq > Nkv under the causal
 mask, GQA/MQA, both layouts, D 64/96/128 (tests/_helpers.py: ODD_CASES) on both kernels, the Hopper kernel's
-split-KV path and its combine (KV_SPLIT_CASES, forced 2 to 4 ways), and the standalone quantizer. Exits non-zero if any result disagrees with the references.
+split-KV path and its combine (KV_SPLIT_CASES, forced 2 to 4 ways), the standalone quantizer, and K's centre
+(each kind of tests/_helpers.py: center_inputs, sampling all keys and a strided sample). Exits non-zero if any
+result disagrees with the references.
 """
 
 import os
@@ -12,7 +14,8 @@ import sys
 
 import torch
 
-from _helpers import KV_SPLIT_CASES, ODD_CASES, check_case, check_quantize, kernels_for, to_layout
+from _helpers import (CENTER_KINDS, KV_SPLIT_CASES, ODD_CASES, center_inputs, check_case, check_quantize, kernels_for,
+                      to_layout)
 from conftest import load_package
 
 
@@ -33,9 +36,16 @@ def main():
     mean = torch.randn(1, 3, 96, device="cuda", generator=generator)
     for layout, tokens_per_scale in (("HND", 1), ("NHD", ai8.KEY_TOKENS_PER_SCALE)):
         failures += check_quantize(ai8, to_layout(x, layout), mean, 0.5, layout, tokens_per_scale)
+    for kind in CENTER_KINDS:
+        for seqlen, head_dim in ((77, 96), (1000, 128)):
+            k = center_inputs(ai8, kind, seqlen, head_dim, device="cuda")
+            center, ref = ai8.key_center(k), ai8.reference.key_center(k)
+            if not torch.equal(center.nan_to_num(), ref.nan_to_num()) or not torch.equal(center.isnan(), ref.isnan()):
+                failures.append(f"key_center {kind} N{seqlen} D{head_dim}: differs from the reference")
     for failure in failures:
         print("FAIL", failure)
-    print(f"{len(ODD_CASES) + 3} attention cases and 2 quantizer cases: {len(failures)} failures")
+    print(f"{len(ODD_CASES) + 3} attention cases, 2 quantizer cases and {2 * len(CENTER_KINDS)} centre cases: "
+          f"{len(failures)} failures")
     return 1 if failures else 0
 
 

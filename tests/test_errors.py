@@ -90,6 +90,18 @@ def test_quantize_tokens_per_scale_checked(ai8, value, exc):
                        value)
 
 
+@requires_cuda
+def test_key_center_argument_checks(ai8):
+    """K's centre needs at least one key, a floating K of 16 bits and a known layout, and says which is wrong."""
+    k = torch.randn(1, 2, 70, 64, dtype=torch.float16, device="cuda")
+    _assert_raises(ValueError, [r"\bk\b", r"at least one key"], ai8.key_center, k[:, :, :0])
+    _assert_raises(TypeError, [r"\bk\b", r"float16 or bfloat16"], ai8.key_center, k.float())
+    _assert_raises(ValueError, [r"tensor_layout"], ai8.key_center, k, tensor_layout="BHND")
+    _assert_raises(ValueError, [r"\bk\b", r"head_dim"], ai8.key_center, _wide(_wide(k)))
+    _assert_raises(TypeError, [r"\bk\b", r"torch.Tensor"], ai8.key_center, k.tolist())
+    _assert_raises(ValueError, [r"\bk\b", r"CUDA"], ai8.key_center, k.cpu())
+
+
 def test_cpu_tensors_point_to_the_reference(ai8):
     q, k, v = _inputs("cpu")
     for fn in (ai8.int8_attention_forward, ai8.ops.int8_attention_forward):

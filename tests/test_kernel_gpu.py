@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from _helpers import (COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, Case, accuracy_failures, check_case,
-                      check_quantize, kernel_params, make_qkv, metrics, poison_like, reference_failures,
-                      lse_ref_atol, select_kernel, to_layout)
+from _helpers import (CENTER_KINDS, COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, Case, accuracy_failures,
+                      center_inputs, check_case, check_quantize, kernel_params, make_qkv, metrics, poison_like,
+                      reference_failures, lse_ref_atol, select_kernel, to_layout)
 from conftest import requires_cuda
 
 pytestmark = requires_cuda
@@ -149,10 +149,46 @@ def test_quantize_non_finite_rows(ai8, tokens_per_scale):
     assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))  # NaN bits too
 
 
+def _same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("seqlen", [1, 5, 100, 128, 129, 1000, 4608])
+def test_key_center_matches_reference(ai8, dtype, head_dim, seqlen):
+    """The kernel's centre of K is bit-identical to reference.key_center: the same sampled keys, the same keys
+    left out (sinks, ties, a key with an infinity), the same fp64 sums; NaN where the reference has NaN."""
+    for kind in CENTER_KINDS:
+        k = center_inputs(ai8, kind, seqlen, head_dim, dtype, "cuda")
+        center, ref = ai8.key_center(k), ai8.reference.key_center(k)
+        assert center.shape == (2, 3, head_dim) and center.dtype == torch.float32
+        assert torch.equal(center.isnan(), ref.isnan()), kind
+        assert _same_bits(center.nan_to_num(), ref.nan_to_num()), (kind, (center - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("view", ["NHD", "strided", "unaligned"])
+def test_key_center_reads_views(ai8, view):
+    """The centre reads K through its strides: NHD, a slice of a fused [B, N, 3, H, D] projection, and rows that
+    do not start on 16-byte boundaries (the per-element load path)."""
+    k = center_inputs(ai8, "sinks", 1000, 128, torch.bfloat16, "cuda")
+    if view == "NHD":
+        center = ai8.key_center(k.transpose(1, 2).contiguous(), tensor_layout="NHD")
+    elif view == "strided":
+        fused = torch.randn(2, 1000, 3, 3, 128, device="cuda", dtype=k.dtype)
+        fused[:, :, 1] = k.transpose(1, 2)
+        center = ai8.key_center(fused[:, :, 1], tensor_layout="NHD")
+    else:
+        wide = torch.randn(2, 3, 1000, 129, device="cuda", dtype=k.dtype)
+        wide[..., 1:] = k
+        center = ai8.key_center(wide[..., 1:])
+    assert _same_bits(center, ai8.reference.key_center(k))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["normal", "k_offset"])
 def test_lse(ai8, monkeypatch, kernel, kind):
-    """LSE of the true logits: with smoothing, the kernel must add back the shift q . mean(K)."""
+    """LSE of the true logits: with smoothing, the kernel must add back the shift q . c (K's centre)."""
     select_kernel(monkeypatch, kernel)
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=500, seqlen_kv=700, head_dim=128, is_causal=True, kind=kind)
     q, k, v = make_qkv(case, "cuda")

@@ -31,6 +31,7 @@ SCHEMAS = {
     'bool is_causal=False, float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True) -> (Tensor, Tensor)',
     "quantize_int8": 'quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout="HND", '
     "int tokens_per_scale=1) -> (Tensor, Tensor)",
+    "key_center": 'key_center(Tensor k, str tensor_layout="HND") -> Tensor',
 }
 
 # Prints {op name: schema} for the ops of the loaded namespace; the loading code is prepended.

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from _helpers import LSE_ATOL, Case, accuracy_failures, lse_failures, make_qkv, metrics
+from _helpers import LSE_ATOL, Case, accuracy_failures, center_inputs, lse_failures, make_qkv, metrics
 
 # (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
 # mask (leading rows see no key), Nq < Nkv, and a long square case.
@@ -42,9 +42,9 @@ def test_scheme_accuracy(ai8, case):
 
 
 def test_smoothing_is_softmax_invariant(ai8):
-    """Subtracting K's token mean leaves float64 attention unchanged and shifts the LSE by q . mean(K)."""
+    """Subtracting K's centre leaves float64 attention unchanged and shifts the LSE by q . c."""
     q, k, v = (t.double() for t in make_qkv(Case(seqlen_q=100, seqlen_kv=300, kind="k_offset")))
-    mean = k.mean(dim=-2, keepdim=True)
+    mean = ai8.reference.key_center(k).double().unsqueeze(-2)
     out, lse = ai8.reference.attention_float64(q, k, v, return_lse=True)
     out_smooth, lse_smooth = ai8.reference.attention_float64(q, k - mean, v, return_lse=True)
     shift = (q @ mean.transpose(-1, -2)).squeeze(-1) * q.shape[-1] ** -0.5
@@ -62,6 +62,54 @@ def test_smoothing_matters(ai8, dtype):
            for smooth in (True, False)}
     # Measured: ~0.009 with smoothing, ~0.055 without.
     assert err[True] <= 0.02 and err[False] >= 3 * err[True], err
+
+
+@pytest.mark.parametrize("seqlen", [1, 127, 128, 129, 1000, 4096, 4608, 2**31 - 1])
+def test_center_sample_strata(ai8, seqlen):
+    """K's centre samples every key up to CENTER_SAMPLE_KEYS, else one key in each of that many equal strata, at
+    offsets that vary: a 64 x 64 image's tokens (N = 4096, strata of 32 keys) are sampled from every column."""
+    sample = ai8.reference.center_sample(seqlen)
+    count = ai8.reference.CENTER_SAMPLE_KEYS
+    if seqlen <= count:
+        assert torch.equal(sample, torch.arange(seqlen))
+        return
+    i = torch.arange(count)
+    assert sample.shape == (count,) and (sample[1:] > sample[:-1]).all()
+    assert (sample >= i * seqlen // count).all() and (sample < (i + 1) * seqlen // count).all()
+    stratum = seqlen / count
+    assert len(set((sample - i * seqlen // count).tolist())) > min(stratum, count) / 4
+    if seqlen == 4096:
+        assert len(set((sample % 64).tolist())) == 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_key_center_leaves_out_sinks(ai8, dtype):
+    """Keys 20x the others' size among the sampled ones (attention sinks) are what the centre leaves out: it is
+    then exactly the mean of the other sampled keys, while the plain sample mean moves far off the offset."""
+    k = center_inputs(ai8, "sinks", dtype=dtype)
+    x = k[:, :, ai8.reference.center_sample(k.shape[2])].double()
+    norms = x.abs().amax(dim=-1)
+    sinks = norms >= 10 * norms.median(dim=-1, keepdim=True).values  # [B, H, n]
+    assert (sinks.sum(dim=-1) == x.shape[2] // ai8.reference.CENTER_TRIM_DIVISOR).all()
+    others = torch.where(sinks.unsqueeze(-1), 0.0, x).sum(dim=-2) / (~sinks).sum(dim=-1, keepdim=True)
+    center = ai8.reference.key_center(k)
+    assert torch.equal(center, others.float())
+    all_norms = k.double().abs().amax(dim=-1, keepdim=True)
+    normal = all_norms < 10 * all_norms.median(dim=-2, keepdim=True).values
+    offset = torch.where(normal, k.double(), 0.0).sum(dim=-2) / normal.sum(dim=-2)  # up to noise / sqrt(N)
+    assert (center - offset).abs().max() < 1.0 < (x.mean(dim=-2) - offset).abs().max()
+
+
+def test_key_center_ties_and_non_finite(ai8):
+    """Ties at the trimming threshold keep every tied key; one infinity in a sampled key leaves that key out (its
+    distance is NaN) and the centre finite; one NaN makes every distance NaN, so no key is kept: centre NaN."""
+    k = center_inputs(ai8, "ties", seqlen=100)
+    assert torch.equal(ai8.reference.key_center(k), (k.double().sum(dim=-2) / 100).float())
+    k = center_inputs(ai8, "inf", seqlen=100)
+    bad = torch.isinf(k).any(dim=-1, keepdim=True)
+    kept_mean = torch.where(bad, 0.0, k.double()).sum(dim=-2) / 99
+    assert torch.equal(ai8.reference.key_center(k), kept_mean.float())
+    assert ai8.reference.key_center(center_inputs(ai8, "nan", seqlen=100)).isnan().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

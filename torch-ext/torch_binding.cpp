@@ -179,30 +179,21 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   return out;
 }
 
-// K's token mean [B, H, D] fp32 (launch_token_mean). Chunks per head: as many as one wave of blocks on all
-// SMs takes, rounded down, since a second, partial wave would take as long as a full one (RESULTS.md v22).
-at::Tensor token_mean(const at::Tensor& x, Layout layout, cudaStream_t stream, bool programmatic_launch) {
+// K's smoothing centre [B, H, D] fp32 (launch_key_center): the mean of a sample of its keys, outliers left out.
+at::Tensor compute_key_center(const at::Tensor& x, Layout layout, cudaStream_t stream) {
   const Shape s = shape_of(x, layout);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = std::clamp<int64_t>(ai8::kTokenMeanBlocksPerSm * sms / (s.batch * s.heads), 1, 64);
-  const int64_t rows_per_chunk = round_up(ai8::ceil_div(s.seqlen, wanted), 64);
-  at::Tensor partials = at::empty({s.batch, s.heads, ai8::token_mean_chunks(s.seqlen, rows_per_chunk), s.head_dim},
-                                  x.options().dtype(at::kDouble));
-  at::Tensor mean = at::empty({s.batch, s.heads, s.head_dim}, x.options().dtype(at::kFloat));
-  ai8::TokenMeanParams params{};
+  at::Tensor center = at::empty({s.batch, s.heads, s.head_dim}, x.options().dtype(at::kFloat));
+  ai8::KeyCenterParams params{};
   params.x = x.data_ptr();
   params.x_view = view_of(x, layout);
-  params.partials = partials.data_ptr<double>();
-  params.mean = mean.data_ptr<float>();
+  params.center = center.data_ptr<float>();
   params.batch = static_cast<int>(s.batch);
   params.heads = static_cast<int>(s.heads);
   params.seqlen = static_cast<int>(s.seqlen);
   params.head_dim = static_cast<int>(s.head_dim);
-  params.rows_per_chunk = static_cast<int>(rows_per_chunk);
   params.dtype = elem_type_of(x);
-  params.programmatic_launch = programmatic_launch;
-  check_cuda(ai8::launch_token_mean(params, stream), "launching token_mean");
-  return mean;
+  check_cuda(ai8::launch_key_center(params, stream), "launching key_center");
+  return center;
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -238,21 +229,21 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
   const int kv_splits = forced_kv_splits();  // checked on every GPU, though only the sm90 kernel splits
-  // Copies (if any) first: on Hopper the kernels after the token sum start under their predecessor's tail
+  // Copies (if any) first: on Hopper the kernels after K's centre start under their predecessor's tail
   // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
   const at::Tensor v_rows = readable_in_place(v, layout, sm90);
   const at::Tensor q_rows = sm90 ? readable_in_place(q, layout, sm90) : q;
-  // K smoothing: the token mean is shared by every key, so subtracting it shifts each logit row by a
+  // K smoothing: one centre is shared by every key, so subtracting it shifts each logit row by a
   // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
-  std::optional<at::Tensor> k_mean;
-  if (smooth_k && sk.seqlen > 0) k_mean = token_mean(k, layout, stream, /*programmatic_launch=*/sm90);
+  std::optional<at::Tensor> k_center;
+  if (smooth_k && sk.seqlen > 0) k_center = compute_key_center(k, layout, stream);
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
-  // K smoothing moves logit row i by q_i . k_mean: softmax ignores that, the LSE must add it back
+  // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back
   // (the sm90 kernel does it itself, the portable path from the quantizer's row_dot).
-  const bool lse_shift = with_lse && k_mean.has_value();
+  const bool lse_shift = with_lse && k_center.has_value();
   const double q_out_scale = scale * kLog2e;
-  const QuantizedRows k_q = quantize(k, layout, k_mean, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
-                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_mean.has_value());
+  const QuantizedRows k_q = quantize(k, layout, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
+                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_center.has_value());
 
   ai8::AttentionParams params{};
   QuantizedRows q_q;
@@ -260,11 +251,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     params.q_input = q_rows.data_ptr();
     params.q_view = view_of(q_rows, layout);
     params.q_out_scale = static_cast<float>(q_out_scale);
-    params.k_mean = lse_shift ? k_mean->data_ptr<float>() : nullptr;
+    params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
     params.sm_scale = static_cast<float>(scale);
   } else {
     q_q = quantize(q, layout, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream,
-                   lse_shift ? k_mean : std::nullopt);
+                   lse_shift ? k_center : std::nullopt);
     params.q = q_q.values.data_ptr<int8_t>();
     params.q_scale = q_q.scales.data_ptr<float>();
     params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
@@ -347,6 +338,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std:
   return {rows.values, rows.scales};
 }
 
+at::Tensor key_center(const at::Tensor& k, c10::string_view tensor_layout) {
+  check_input(k, "k");
+  const Layout layout = parse_layout(tensor_layout);
+  const Shape s = shape_of(k, layout);
+  check_sizes(s, "k");
+  TORCH_CHECK_VALUE(s.seqlen > 0, "k must hold at least one key, got ", s.seqlen);
+  checked_capability(k);
+  const c10::cuda::CUDAGuard device_guard(k.device());
+  if (s.batch * s.heads == 0) return at::empty({s.batch, s.heads, s.head_dim}, k.options().dtype(at::kFloat));
+  return compute_key_center(k, layout, c10::cuda::getCurrentCUDAStream());
+}
+
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, bool,
                                        std::optional<double>, c10::string_view, bool) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
@@ -368,6 +371,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const
           at::empty_symint({b, h, (n + tokens_per_scale - 1) / tokens_per_scale}, x.options().dtype(at::kFloat))};
 }
 
+at::Tensor key_center_meta(const at::Tensor& k, c10::string_view tensor_layout) {
+  const Layout layout = parse_layout(tensor_layout);
+  return at::empty_symint({k.sym_size(0), k.sym_size(head_axis(layout)), k.sym_size(3)}, k.options().dtype(at::kFloat));
+}
+
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "int8_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
@@ -378,6 +386,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\", int tokens_per_scale=1) "
       "-> (Tensor, Tensor)");
+  ops.def("key_center(Tensor k, str tensor_layout=\"HND\") -> Tensor");
 }
 
 // CPU tensors reach the same functions so that their device check answers with a clear ValueError.
@@ -385,18 +394,21 @@ TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
   ops.impl("quantize_int8", &quantize_int8);
+  ops.impl("key_center", &key_center);
 }
 
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
   ops.impl("quantize_int8", &quantize_int8);
+  ops.impl("key_center", &key_center);
 }
 
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, Meta, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward_meta);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse_meta);
   ops.impl("quantize_int8", &quantize_int8_meta);
+  ops.impl("key_center", &key_center_meta);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -21,6 +21,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std:
                                                  double out_scale, c10::string_view tensor_layout,
                                                  int64_t tokens_per_scale);
 
+at::Tensor key_center(const at::Tensor& k, c10::string_view tensor_layout);
+
 // Meta implementations: shapes only, with symbolic sizes, for FakeTensor / torch.compile.
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                                        std::optional<double> sm_scale, c10::string_view tensor_layout, bool smooth_k);
@@ -33,3 +35,5 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at
 std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const std::optional<at::Tensor>& mean,
                                                       double out_scale, c10::string_view tensor_layout,
                                                       int64_t tokens_per_scale);
+
+at::Tensor key_center_meta(const at::Tensor& k, c10::string_view tensor_layout);

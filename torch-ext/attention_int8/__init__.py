@@ -1,7 +1,7 @@
 """INT8-quantized scaled-dot-product attention for CUDA GPUs (compute capability 8.0+).
 
-Q.K^T runs on INT8 tensor cores (Q with a scale per token, K smoothed by its token mean and with a scale
-per block of 64 keys), the softmax is
+Q.K^T runs on INT8 tensor cores (Q with a scale per token, K smoothed by a centre shared by its keys and
+with a scale per block of 64 keys), the softmax is
 an online base-2 softmax in fp32, and P.V runs in fp16/bf16 with fp32 accumulation. The scheme is
 documented, and implemented in plain PyTorch for CPUs, in `attention_int8.reference`; drop-in
 integrations (SDPA-compatible function, kernels-hub layer, diffusers processor) live in
@@ -17,8 +17,8 @@ import torch
 from . import layers, reference
 from ._ops import ops
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "KEY_TOKENS_PER_SCALE", "int8_attention_forward", "quantize_int8", "layers",
-           "reference"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "KEY_TOKENS_PER_SCALE", "int8_attention_forward", "quantize_int8", "key_center",
+           "layers", "reference"]
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 KEY_TOKENS_PER_SCALE = reference.KEY_TOKENS_PER_SCALE  # K's scale granularity (Q's: one token)
@@ -111,8 +111,9 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
             sees no key outputs 0 (and LSE -inf).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         tensor_layout: ``"HND"`` or ``"NHD"``; the output uses the same layout.
-        smooth_k: subtract K's token mean before quantizing (softmax-invariant; keeps channel offsets
-            shared by all keys from wasting the INT8 range). Leave it on unless measuring its effect.
+        smooth_k: subtract K's centre (a robust mean of a sample of its keys, ``reference.key_center``)
+            before quantizing (softmax-invariant; keeps channel offsets shared by all keys from wasting the
+            INT8 range). Leave it on unless measuring its effect.
         return_lse: also return the natural-log log-sum-exp of the scaled logits, fp32 ``[B, Hq, Nq]``.
 
     Returns:
@@ -151,3 +152,16 @@ def quantize_int8(x, mean=None, out_scale=1.0, tensor_layout="HND", tokens_per_s
     if x.dim() == 4:
         x = _last_dim_contiguous(x)
     return ops.quantize_int8(x, mean, float(out_scale), tensor_layout, tokens_per_scale)
+
+
+def key_center(k, tensor_layout="HND"):
+    """The centre the kernels subtract from K's keys before quantizing it (exposed for tests and inspection).
+
+    ``k`` ``[B, H, N, D]`` (or ``[B, N, H, D]`` with ``tensor_layout="NHD"``) on CUDA, float16/bfloat16, N >= 1.
+    Returns fp32 ``[B, H, D]``, bit-identical to `attention_int8.reference.key_center` on the HND view.
+    """
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+    if k.dim() == 4:
+        k = _last_dim_contiguous(k)
+    return ops.key_center(k, tensor_layout)

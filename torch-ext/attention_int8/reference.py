@@ -2,10 +2,11 @@
 
 The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
 
-1. K smoothing (``smooth_k``): ``K' = K - mean_tokens(K)`` in fp32, the mean summed in fp64 (exact, so
-   independent of the summation order, for any fp16 input up to 8192 tokens) and rounded once to fp32.
-   Every logit of a query row moves by the same constant ``q . mean(K)``, so the softmax is unchanged,
-   but channel offsets shared by all keys no longer eat the INT8 range.
+1. K smoothing (``smooth_k``): ``K' = K - c`` in fp32 with K's centre ``c = key_center(K)``: the mean of a
+   sample of at most 128 keys without the sample's 1/32 farthest from its plain mean (attention sinks).
+   Every logit of a query row moves by the same constant ``q . c``, so the softmax is unchanged, but channel
+   offsets shared by all keys no longer eat the INT8 range. Any ``c`` would keep the softmax; the sample
+   spares the kernels a pass over all of K (``KeyCenterParams`` in attention_int8.h).
 2. Symmetric INT8 in fp32 with one scale per group of tokens: Q per token, K per block of
    ``KEY_TOKENS_PER_SCALE`` = 64 keys (keys ``64 b .. 64 b + 63``; the last block may be shorter).
    ``amax = max |x|`` over the group, ``x_q = round_half_even(x * (127 / amax))`` (the fp32 quotient
@@ -21,7 +22,7 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    a tile's max on the integers and exponentiate with one FMA; 22 bits make that FMA exact.)
 4. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
    input dtype (fp16/bf16), ``O = (P V) / l`` accumulated in fp32 and cast to the input dtype.
-5. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . mean(K))`` (fp32): the log-sum-exp of the true scaled
+5. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . c)`` (fp32): the log-sum-exp of the true scaled
    logits. Smoothing leaves the softmax unchanged but shifts its normalizer, so the shift is added back
    (only with ``smooth_k``).
 
@@ -37,11 +38,13 @@ import math
 
 import torch
 
-__all__ = ["KEY_TOKENS_PER_SCALE", "quantize_int8", "logit_scale", "int8_logits", "int8_attention_reference",
-           "attention_float64"]
+__all__ = ["KEY_TOKENS_PER_SCALE", "CENTER_SAMPLE_KEYS", "center_sample", "key_center", "quantize_int8", "logit_scale",
+           "int8_logits", "int8_attention_reference", "attention_float64"]
 
 LOG2E = math.log2(math.e)
 KEY_TOKENS_PER_SCALE = 64  # kKeyScaleTokens in attention_int8.h
+CENTER_SAMPLE_KEYS = 128  # kCenterSampleKeys
+CENTER_TRIM_DIVISOR = 32  # kCenterTrimDivisor
 
 # Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
 _MAX_SCORE_ELEMENTS = 1 << 25
@@ -52,6 +55,37 @@ def logit_scale(q_scale, k_scale):
     one-FMA dequantization is then exact. NaN stays NaN (whatever its payload bits), infinity stays infinity."""
     c = q_scale * k_scale
     return torch.where(c.isnan(), c, (c.view(torch.int32) & ~3).view(torch.float32))
+
+
+def center_sample(seqlen, device=None):
+    """Indices of the keys K's centre is taken from (``center_sample_key`` in attention_int8.h): all of them up to
+    CENTER_SAMPLE_KEYS, else one in each of CENTER_SAMPLE_KEYS strata of ``N / CENTER_SAMPLE_KEYS`` keys, at a
+    fraction of the stratum given by a multiplicative hash of its index (a fixed stride could alias with
+    periodic structure, e.g. the rows of an image's tokens)."""
+    if seqlen <= CENTER_SAMPLE_KEYS:
+        return torch.arange(seqlen, device=device)
+    i = torch.arange(CENTER_SAMPLE_KEYS, dtype=torch.int64, device=device)
+    first, end = i * seqlen // CENTER_SAMPLE_KEYS, (i + 1) * seqlen // CENTER_SAMPLE_KEYS
+    fraction = ((i * 2654435761) & 0xFFFFFFFF) >> 16
+    return first + ((fraction * (end - first)) >> 16)
+
+
+def key_center(k):
+    """K's centre for smoothing, fp32 ``[..., D]`` from ``k`` ``[..., N, D]`` (N > 0), as the kernels compute it.
+
+    Of the sampled keys (center_sample), the n // 32 farthest from their plain mean, by ``max_d |k_d - m0_d|``
+    in fp32, are left out (more where distances tie), and the rest averaged. One attention-sink key many
+    times the others' size would otherwise move a sample's mean by 1/n of itself. Sums in fp64, exact for fp16
+    values. A distance is NaN if any of its terms is; more NaN distances than n // 32 leave no key, and a
+    NaN centre."""
+    x = k[..., center_sample(k.shape[-2], k.device), :].double()
+    n = x.shape[-2]
+    plain = (x.sum(dim=-2, keepdim=True) / n).float()
+    distance = (x.float() - plain).abs().amax(dim=-1)
+    rank = n - n // CENTER_TRIM_DIVISOR - 1
+    threshold = distance.sort(dim=-1).values[..., rank : rank + 1]  # NaN sorts last
+    kept = (distance <= threshold).unsqueeze(-1)
+    return (torch.where(kept, x, 0.0).sum(dim=-2) / kept.sum(dim=-2)).float()
 
 
 def quantize_int8(x, mean=None, out_scale=1.0, tokens_per_scale=1):
@@ -128,14 +162,14 @@ def _prepare(q, k, v, sm_scale, tensor_layout):
 
 
 def _quantized_operands(q, k, group, sm_scale, smooth_k):
-    """Steps 1 and 2 on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_mean)`` with K's values (as fp32) and
+    """Steps 1 and 2 on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_center)`` with K's values (as fp32) and
     scales (one per key) repeated to the query heads."""
     seqlen_kv = k.shape[2]
-    k_mean = k.double().mean(dim=-2).float() if smooth_k and seqlen_kv > 0 else None
+    k_center = key_center(k) if smooth_k and seqlen_kv > 0 else None
     q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
-    k_q, k_scale = quantize_int8(k, k_mean, tokens_per_scale=KEY_TOKENS_PER_SCALE)
+    k_q, k_scale = quantize_int8(k, k_center, tokens_per_scale=KEY_TOKENS_PER_SCALE)
     k_scale = k_scale.repeat_interleave(KEY_TOKENS_PER_SCALE, dim=-1)[..., :seqlen_kv]  # per key
-    return q_q, q_scale, _repeat_heads(k_q, group).float(), _repeat_heads(k_scale, group), k_mean
+    return q_q, q_scale, _repeat_heads(k_q, group).float(), _repeat_heads(k_scale, group), k_center
 
 
 def _logits(q_q, q_scale, k_q, k_scale):
@@ -163,7 +197,7 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
     batch, heads_q, seqlen_q, _ = q.shape
     seqlen_kv = k.shape[2]
-    q_q, q_scale, k_q, k_scale, k_mean = _quantized_operands(q, k, group, sm_scale, smooth_k)
+    q_q, q_scale, k_q, k_scale, k_center = _quantized_operands(q, k, group, sm_scale, smooth_k)
     # P and V are fp16/bf16 values, exact in fp32/TF32: only the accumulation of P V rounds.
     v = _repeat_heads(v, group).float()
 
@@ -183,8 +217,8 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
         out[:, :, start:stop] = torch.where(has_key[:, None], o, torch.zeros_like(o))
         row_lse = (m + torch.log2(row_sum)).squeeze(-1) * math.log(2.0)
         lse[:, :, start:stop] = torch.where(has_key, row_lse, lse[:, :, start:stop])
-    if k_mean is not None:  # step 5: add back the shift q . mean(K) that smoothing took out of the logits
-        lse += (q.float() @ _repeat_heads(k_mean, group).unsqueeze(-1)).squeeze(-1) * sm_scale
+    if k_center is not None:  # step 5: add back the shift q . c that smoothing took out of the logits
+        lse += (q.float() @ _repeat_heads(k_center, group).unsqueeze(-1)).squeeze(-1) * sm_scale
     out = _from_hnd(out.to(q.dtype), tensor_layout)
     return (out, lse) if return_lse else out
 

@@ -1,13 +1,13 @@
-"""Why K is smoothed by its exact token mean: the accuracy of a mean taken from a sample of the keys, on the CPU.
+"""Why K's centre is a trimmed mean of sampled keys: its accuracy against the exact token mean's, on the CPU.
 
-    python benchmarks/smoothing_mean.py [--seqlen 2048] [--heads 2] [--seed 0]
+    python benchmarks/smoothing_center.py [--seqlen 2048] [--heads 2] [--seed 0]
 
-Subtracting any vector m from every key shifts each logit row by q . m, which the softmax ignores; only the
-INT8 range of K depends on m. The exact mean needs a pass over all of K before the quantizer; a sample of at
-most S keys would need almost none. This runs the reference scheme (`int8_attention_reference` with
-smooth_k=False on K - m) for m = the exact mean, S strided keys, and S keys one per stratum at a hashed offset,
-on several kinds of K, and prints cosine similarity / relative L1 against float64 attention (non-causal and
-causal). No GPU needed.
+Subtracting any vector c from every key shifts each logit row by q . c, which the softmax ignores; only the
+INT8 range of K depends on c. The exact token mean needs a pass over all of K before the quantizer; the kernels
+take the centre from a sample of 128 keys (reference.key_center: the sample's mean without its 4 keys farthest
+from the plain mean). This runs the reference scheme (`int8_attention_reference` with smooth_k=False on K - c)
+for c = the exact mean, the plain mean of the same sample, and the centre, on several kinds of K, and prints
+cosine similarity / relative L1 against float64 attention (non-causal and causal). No GPU needed.
 """
 
 import argparse
@@ -23,6 +23,8 @@ KINDS = {
     "rope_big": "offset 20 randn(D), then rotary position embedding",
     "sink": "offset, and key 0 twenty times larger",
     "drift": "offset plus one that drifts linearly over the sequence",
+    "sinks4": "offset, and four keys twenty times larger",
+    "skew": "offset plus exponentially distributed (skewed) channels",
 }
 
 
@@ -51,18 +53,12 @@ def make_qkv(kind, heads, seqlen, generator):
         k[:, :, 0] *= 20
     elif kind == "drift":
         k = k + 10 * offset + 5 * torch.linspace(-1, 1, seqlen)[:, None] * randn(1, heads, 1, d)
+    elif kind == "sinks4":
+        k = k + 10 * offset
+        k[:, :, torch.arange(4) * (seqlen // 4)] *= 20
+    elif kind == "skew":
+        k = k + 10 * offset - 3 * torch.rand(*shape, generator=generator).log()
     return tuple(t.half() for t in (q, k, v))
-
-
-def sample(seqlen, count, strided):
-    """Indices of at most `count` keys: every (seqlen / count)-th, or one per stratum at a hashed offset."""
-    if seqlen <= count:
-        return torch.arange(seqlen)
-    i = torch.arange(count, dtype=torch.int64)
-    if strided:
-        return i * seqlen // count
-    offset = ((i * 2654435761) % (1 << 32)) >> 16  # a 16-bit fraction of the stratum
-    return ((i << 16) + offset) * seqlen // (count << 16)
 
 
 def main():
@@ -73,18 +69,17 @@ def main():
     args = parser.parse_args()
     reference = load_package()[0].reference
     generator = torch.Generator().manual_seed(args.seed)
-    means = {"exact": None, "256 strided": (256, True), "256 hashed": (256, False), "128 hashed": (128, False),
-             "64 hashed": (64, False)}
-    print("kind      causal  " + "  ".join(f"{name:>16s}" for name in means) + "   (cos / rel L1)")
+    centres = {"exact mean": lambda k: k.double().mean(dim=-2).float(),
+               "sample mean": lambda k: k[:, :, reference.center_sample(k.shape[2])].double().mean(dim=-2).float(),
+               "centre": reference.key_center}
+    print("kind      causal  " + "  ".join(f"{name:>16s}" for name in centres) + "   (cos / rel L1)")
     for kind in KINDS:
         q, k, v = make_qkv(kind, args.heads, args.seqlen, generator)
         for causal in (False, True):
             exact = reference.attention_float64(q, k, v, is_causal=causal).double()
             cells = []
-            for how in means.values():
-                keys = k if how is None else k[:, :, sample(args.seqlen, *how)]
-                mean = keys.double().mean(dim=-2).float()
-                out = reference.int8_attention_reference(q, k.float() - mean[:, :, None], v, is_causal=causal,
+            for centre in centres.values():
+                out = reference.int8_attention_reference(q, k.float() - centre(k)[:, :, None], v, is_causal=causal,
                                                          smooth_k=False).double()
                 cos = torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0).item()
                 rel_l1 = ((out - exact).abs().sum() / exact.abs().sum()).item()
