@@ -119,6 +119,8 @@ def test_meta_tensors_give_shapes(ai8):
     assert x_q.shape == (2, 8, 100, 64) and x_q.dtype == torch.int8 and scale.shape == (2, 8, 100)
     x_q, scale = ai8.quantize_int8(q, tensor_layout="NHD", tokens_per_scale=ai8.KEY_TOKENS_PER_SCALE)
     assert x_q.shape == (2, 8, 100, 64) and scale.shape == (2, 8, 2)
+    center = ai8.key_center(k, tensor_layout="NHD")
+    assert center.shape == (2, 2, 64) and center.dtype == torch.float32
 
 
 @requires_cuda
