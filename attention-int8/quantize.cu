@@ -99,16 +99,6 @@ __device__ __forceinline__ void load8(const Elem* x, Elem (&e8)[kChunkElems]) {
   }
 }
 
-// One row's check instead of the view's (the sampled rows of K's centre, scattered over the sequence).
-template <typename Elem>
-__device__ __forceinline__ void load8_checked(const Elem* x, Elem (&e8)[kChunkElems]) {
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-    load8<true>(x, e8);
-  } else {
-    load8<false>(x, e8);
-  }
-}
-
 template <bool kAligned, typename Elem>
 __device__ __forceinline__ void load_chunk(const QuantizeParams& p, const RowChunk& r, int chunk, Elem (&e8)[kChunkElems]) {
   if (r.has_data) load8<kAligned>(chunk_ptr<Elem>(p.x, p.x_view, r.b, r.h, r.n, chunk), e8);
