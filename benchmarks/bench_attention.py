@@ -61,6 +61,12 @@ SHAPES = [
     Shape("d64", 16, 16, 16, 4096, 64, False),
 ]
 QUICK_SHAPES = [SHAPES[i] for i in (0, 2, 5, 7, 8)]
+# Short names of the shapes that RESULTS.md's per-version rows time (op_time.py, kernel_times.py): A, B, C, G
+# and D are the letters those rows use; Dc (D = 64 causal) is not in the table above.
+NAMED_SHAPES = {
+    "A": SHAPES[0], "A4608": SHAPES[1], "B": SHAPES[2], "B32768": SHAPES[3], "C": SHAPES[4], "C8192": SHAPES[5],
+    "G": SHAPES[6], "G8192": SHAPES[7], "D": SHAPES[8], "Dc": Shape("d64 causal", 4, 16, 16, 4096, 64, True),
+}
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 METHODS = [*SDPA_BACKENDS, "int8"]
 # ~200 us at the H200's 1.98 GHz: more than any method's host-side cost per call (INT8 51-75 us, cuDNN 27-33 us).

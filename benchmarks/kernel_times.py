@@ -1,0 +1,77 @@
+"""GPU time of each kernel the INT8 op launches (K centre, K quantizer, attention, split combine), per call, at
+named shapes: where an op time goes. RESULTS.md's rows call this breakdown "kprof".
+
+    python benchmarks/kernel_times.py [--dtype float16|bfloat16] [--passes N] SHAPE [SHAPE ...]
+
+SHAPE is a key of bench_attention.NAMED_SHAPES. The calls rotate over bench_attention's input sets (larger than
+L2) behind a spin kernel, as in the op timing; torch.profiler records the kernels' device times, and each
+kernel's total is divided by the number of calls. One line per shape:
+
+    kernel_times SHAPE DTYPE: <kernel> <us>us x<launches per call>; ...
+"""
+
+import argparse
+import collections
+import re
+import sys
+
+import torch
+
+import bench_attention as bench
+from _load import load_package
+
+
+def kernel_name(signature):
+    """`void ns::(anonymous namespace)::attention_fwd_sm90_kernel<Traits<...>>(params)` -> `attention_fwd_sm90_kernel`."""
+    head = re.split(r"[<(]", signature.replace("(anonymous namespace)::", ""), maxsplit=1)[0]
+    return head.split()[-1].split("::")[-1] if head.strip() else signature[:60]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shapes", nargs="+", choices=sorted(bench.NAMED_SHAPES), metavar="SHAPE",
+                        help="keys of bench_attention.NAMED_SHAPES")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--passes", type=int, default=4, help="profiled passes over the input sets")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_times: no CUDA GPU on this machine; nothing to profile")
+        return 0
+
+    ai8, _ = load_package()
+    dtype = getattr(torch, args.dtype)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    for key in args.shapes:
+        shape = bench.NAMED_SHAPES[key]
+        sets = bench.input_sets(shape, dtype, l2_bytes)
+
+        def op(q, k, v):
+            return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal)
+
+        for inputs in sets:  # warm-up
+            op(*inputs)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.passes):
+                torch.cuda._sleep(bench.HOST_SPIN_CYCLES_PER_CALL * len(sets))
+                for inputs in sets:
+                    op(*inputs)
+            torch.cuda.synchronize()
+        total_us, launches = collections.defaultdict(float), collections.Counter()
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in event.name:
+                name = kernel_name(event.name)
+                total_us[name] += event.device_time
+                launches[name] += 1
+        calls = args.passes * len(sets)
+        parts = [f"{name} {total_us[name] / calls:.1f}us x{launches[name] / calls:.0f}"
+                 for name in sorted(total_us, key=total_us.get, reverse=True)]
+        print(f"kernel_times {key} {args.dtype}: " + "; ".join(parts), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

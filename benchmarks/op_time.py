@@ -1,0 +1,60 @@
+"""Time of the INT8 op alone, quantization included, at named shapes: the figure RESULTS.md's per-version rows
+compare between builds.
+
+    python benchmarks/op_time.py [--dtype float16|bfloat16] [--tag NAME] [--min-seconds S] SHAPE [SHAPE ...]
+
+SHAPE is a key of bench_attention.NAMED_SHAPES (A, A4608, B, B32768, C, C8192, G, G8192, D, Dc). Timing and
+accuracy are bench_attention's (rotating input sets larger than L2, a spin kernel ahead of each pass, median
+per-call time; cosine and relative L1 against float64 on a slice), without the SDPA baselines.
+
+The script loads the build of the tree it lives in (build/<variant> next to it), so two builds compare by
+running each tree's copy in turn in one device call, in interleaved rounds (the GPU's clocks drift within a
+call): `python old/benchmarks/op_time.py --tag old A C; python benchmarks/op_time.py --tag new A C; ...`.
+One line per shape:
+
+    op_time TAG SHAPE DTYPE <us> us <TFLOP/s> TF cos <cosine> l1 <relative L1>
+"""
+
+import argparse
+import sys
+
+import torch
+
+import bench_attention as bench
+from _load import load_package
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shapes", nargs="+", choices=sorted(bench.NAMED_SHAPES), metavar="SHAPE",
+                        help="keys of bench_attention.NAMED_SHAPES")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--tag", default="int8", help="a label for this build in the output lines")
+    parser.add_argument("--min-seconds", type=float, default=0.3, help="timed work per shape, at least")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("op_time: no CUDA GPU on this machine; nothing to time")
+        return 0
+
+    ai8, _ = load_package()
+    dtype = getattr(torch, args.dtype)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    for key in args.shapes:
+        shape = bench.NAMED_SHAPES[key]
+        sets = bench.input_sets(shape, dtype, l2_bytes)
+        ref = bench.float64_slice(ai8, *sets[0], shape)
+
+        def op(q, k, v):
+            return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal)
+
+        ms = bench.time_ms(op, sets, args.min_seconds)
+        cos, rel_l1 = bench.accuracy(op(*sets[0]), ref)
+        print(f"op_time {args.tag} {key} {args.dtype} {ms * 1e3:.1f} us {shape.flops / ms / 1e9:.0f} TF "
+              f"cos {cos:.6f} l1 {rel_l1:.5f}", flush=True)
+        del sets, ref
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
