@@ -100,8 +100,9 @@ __device__ __forceinline__ uint32_t phase_of(int n_block) { return (uint32_t(n_b
 // threads, into a shared-memory tile in K's swizzled K-major layout (swizzle.cuh), which the S wgmma reads by
 // descriptor for the whole key loop. (Kept in registers as the wgmma's A fragments, Q took 16 registers at
 // D = 128 that ptxas then found by waiting for the previous tile's P.V ahead of the exponentials: RESULTS v43.)
-// Thread (group, tig) of a warp holds rows group and group + 8 and, of each k32 step, the 4 bytes at 4 tig and
-// at 16 + 4 tig: a quarter of each row, so a row's amax is a max over its quad.
+// Thread (group, tig) of a warp holds rows group and group + 8 (its accumulator rows) and, of each 32 channels,
+// the 8 at 8 tig: a quarter of each row, so a row's amax is a max over its quad. 16-byte loads: a warp's load
+// instruction reads 64 contiguous bytes of each of its 8 rows, 2 sectors of one line, where 8-byte loads read 1.
 struct QRowScales {
   float scale[2];     // per row, includes sm_scale * log2(e)
   float center_dot[2];  // q_row . k_center (the LSE's smoothing shift); 0 without p.k_center
@@ -114,10 +115,10 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
 }
 
-// The thread's raw Q: raw[r][2 ks + half] holds Q[rows[r]][32 ks + 16 half + 4 tig + e], e < 4 (8 bytes);
-// rows past seqlen_q are zeros. Loaded before the CTA's set-up, whose barrier wait then hides the latency.
+// The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows past seqlen_q are
+// zeros. Loaded before the CTA's set-up, whose barrier wait then hides the latency.
 template <typename Traits>
-using QRowsRaw = uint2[2][2 * Traits::kQKSteps];
+using QRowsRaw = uint4[2][Traits::kQKSteps];
 
 template <typename Traits>
 __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch, int head, const int (&rows)[2], int tig,
@@ -126,10 +127,10 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
   const Elem* q_head = static_cast<const Elem*>(p.q_input) + batch * p.q_view.batch_stride + head * p.q_view.head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 4 * tig;
+    const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 8 * tig;
 #pragma unroll
-    for (int c = 0; c < 2 * Traits::kQKSteps; ++c)
-      raw[r][c] = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint2*>(row + 16 * c) : make_uint2(0, 0);
+    for (int c = 0; c < Traits::kQKSteps; ++c)
+      raw[r][c] = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint4*>(row + 32 * c) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -141,14 +142,18 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
                                                       int group, int tig) {
   using Elem = typename Traits::Elem;
   constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
-  // x[r][8 ks + 4 half + e] = Q[rows[r]][32 ks + 16 half + 4 tig + e]
+  // x[r][8 c + e] = Q[rows[r]][32 c + 8 tig + e]
   float x[2][kPerRow];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
 #pragma unroll
-    for (int c = 0; c < 2 * kSteps; ++c) {
-      const float2 lo = to_float2(raw[r][c].x, Elem{}), hi = to_float2(raw[r][c].y, Elem{});
-      x[r][4 * c] = lo.x, x[r][4 * c + 1] = lo.y, x[r][4 * c + 2] = hi.x, x[r][4 * c + 3] = hi.y;
+    for (int c = 0; c < kSteps; ++c) {
+      const uint32_t bits[4] = {raw[r][c].x, raw[r][c].y, raw[r][c].z, raw[r][c].w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float2 pair = to_float2(bits[h], Elem{});
+        x[r][8 * c + 2 * h] = pair.x, x[r][8 * c + 2 * h + 1] = pair.y;
+      }
     }
   }
   QRowScales q;
@@ -169,11 +174,11 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     q.center_dot[r] = 0.f;
   }
   if (p.lse != nullptr && p.k_center != nullptr) {
-    const float* center = p.k_center + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 4 * tig;
+    const float* center = p.k_center + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 8 * tig;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < kPerRow; ++i) q.center_dot[r] += x[r][i] * center[16 * (i / 4) + i % 4];
+      for (int i = 0; i < kPerRow; ++i) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
     ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
@@ -184,12 +189,13 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     }
   constexpr int kRowBytes = Traits::kQKRowBytes;
 #pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
+  for (int r = 0; r < 2; ++r)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // row j % 2, bytes 16 (j / 2) + 4 tig.. of step ks
-      const int row = warp_in_group * 16 + group + 8 * (j % 2), byte = 32 * ks + 16 * (j / 2) + 4 * tig;
-      *reinterpret_cast<uint32_t*>(q_tile + row * kRowBytes + swizzle::chunk_position<kRowBytes>(row, byte / 16) * 16 +
-                                   byte % 16) = quant::quantize4(&x[j % 2][8 * ks + 4 * (j / 2)], inv_scale[j % 2]);
+    for (int c = 0; c < kSteps; ++c) {  // bytes 32 c + 8 tig.. of the row: half of one 16-byte chunk
+      const int row = warp_in_group * 16 + group + 8 * r, byte = 32 * c + 8 * tig;
+      *reinterpret_cast<uint2*>(q_tile + row * kRowBytes + swizzle::chunk_position<kRowBytes>(row, byte / 16) * 16 +
+                                byte % 16) = make_uint2(quant::quantize4(&x[r][8 * c], inv_scale[r]),
+                                                        quant::quantize4(&x[r][8 * c + 4], inv_scale[r]));
     }
   return q;
 }
@@ -333,11 +339,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     sm90::fence_barrier_init();
   }
-  // The sum columns of every stage: ones in all 64 channels of the box, so the swizzle cannot misplace them.
-  constexpr int kOnesChunks = Traits::kSmemVBoxBytes / 16;
+  // The sum columns of every stage: the P.V wgmma reads channels 0-7 of the ones box, one 16-byte chunk of each
+  // key's 128-byte row, at its swizzled position (the V boxes' 128-byte swizzle); the rest of the box stays unread.
+  static_assert(Traits::kSumColumns * sizeof(Elem) == 16, "the sum columns are one 16-byte chunk a key");
   const uint32_t one2 = ptx::pack2<Elem>(1.f, 1.f);
-  for (int i = tid; i < Traits::kStages * kOnesChunks; i += Traits::kThreads)
-    reinterpret_cast<uint4*>(smem.ones(i / kOnesChunks))[i % kOnesChunks] = make_uint4(one2, one2, one2, one2);
+  for (int i = tid; i < Traits::kStages * BN; i += Traits::kThreads) {
+    const int key = i % BN;
+    *reinterpret_cast<uint4*>(smem.ones(i / BN) + key * 128 + swizzle::chunk_position<128>(key, 0) * 16) =
+        make_uint4(one2, one2, one2, one2);
+  }
   sm90::fence_proxy_async_smem();
   __syncthreads();
 
