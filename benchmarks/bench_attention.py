@@ -89,6 +89,16 @@ def make_methods(ai8, shape):
     return methods
 
 
+def named_shapes_parser(description):
+    """The arguments of the scripts that look at the int8 op alone (op_time.py, kernel_times.py): SHAPE keys of
+    NAMED_SHAPES and --dtype (a torch dtype name)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shapes", nargs="+", choices=sorted(NAMED_SHAPES), metavar="SHAPE",
+                        help="keys of bench_attention.NAMED_SHAPES")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    return parser
+
+
 def input_sets(shape, dtype, l2_bytes):
     """Enough independent (q, k, v) sets that one pass over them streams more than twice the L2 cache."""
     def one_set():

@@ -10,7 +10,6 @@ kernel's total is divided by the number of calls. One line per shape:
     kernel_times SHAPE DTYPE: <kernel> <us>us x<launches per call>; ...
 """
 
-import argparse
 import collections
 import re
 import sys
@@ -28,10 +27,7 @@ def kernel_name(signature):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shapes", nargs="+", choices=sorted(bench.NAMED_SHAPES), metavar="SHAPE",
-                        help="keys of bench_attention.NAMED_SHAPES")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser = bench.named_shapes_parser(__doc__)
     parser.add_argument("--passes", type=int, default=4, help="profiled passes over the input sets")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -45,9 +41,7 @@ def main():
     for key in args.shapes:
         shape = bench.NAMED_SHAPES[key]
         sets = bench.input_sets(shape, dtype, l2_bytes)
-
-        def op(q, k, v):
-            return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal)
+        _, op = bench.make_methods(ai8, shape)["int8"]
 
         for inputs in sets:  # warm-up
             op(*inputs)

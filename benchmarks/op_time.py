@@ -15,7 +15,6 @@ One line per shape:
     op_time TAG SHAPE DTYPE <us> us <TFLOP/s> TF cos <cosine> l1 <relative L1>
 """
 
-import argparse
 import sys
 
 import torch
@@ -25,10 +24,7 @@ from _load import load_package
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shapes", nargs="+", choices=sorted(bench.NAMED_SHAPES), metavar="SHAPE",
-                        help="keys of bench_attention.NAMED_SHAPES")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser = bench.named_shapes_parser(__doc__)
     parser.add_argument("--tag", default="int8", help="a label for this build in the output lines")
     parser.add_argument("--min-seconds", type=float, default=0.3, help="timed work per shape, at least")
     args = parser.parse_args()
@@ -43,9 +39,7 @@ def main():
         shape = bench.NAMED_SHAPES[key]
         sets = bench.input_sets(shape, dtype, l2_bytes)
         ref = bench.float64_slice(ai8, *sets[0], shape)
-
-        def op(q, k, v):
-            return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal)
+        _, op = bench.make_methods(ai8, shape)["int8"]
 
         ms = bench.time_ms(op, sets, args.min_seconds)
         cos, rel_l1 = bench.accuracy(op(*sets[0]), ref)
