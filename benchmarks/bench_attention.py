@@ -99,6 +99,25 @@ def named_shapes_parser(description):
     return parser
 
 
+def for_each_named_shape(args, tool, measure):
+    """Calls measure(key, shape, input sets, INT8 op, package) for each SHAPE of `args` (named_shapes_parser's),
+    one shape's input sets alive at a time (they exceed L2, and a long shape's take GBs). Without a GPU, says so
+    under the name `tool` and measures nothing. Returns the exit status."""
+    if not torch.cuda.is_available():
+        print(f"{tool}: no CUDA GPU on this machine; nothing to measure")
+        return 0
+    ai8, _ = load_package()
+    dtype = getattr(torch, args.dtype)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    for key in args.shapes:
+        shape = NAMED_SHAPES[key]
+        sets = input_sets(shape, dtype, l2_bytes)
+        measure(key, shape, sets, make_methods(ai8, shape)["int8"][1], ai8)
+        del sets
+        torch.cuda.empty_cache()
+    return 0
+
+
 def input_sets(shape, dtype, l2_bytes):
     """Enough independent (q, k, v) sets that one pass over them streams more than twice the L2 cache."""
     def one_set():

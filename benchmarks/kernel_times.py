@@ -17,7 +17,6 @@ import sys
 import torch
 
 import bench_attention as bench
-from _load import load_package
 
 
 def kernel_name(signature):
@@ -30,23 +29,12 @@ def main():
     parser = bench.named_shapes_parser(__doc__)
     parser.add_argument("--passes", type=int, default=4, help="profiled passes over the input sets")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("kernel_times: no CUDA GPU on this machine; nothing to profile")
-        return 0
 
-    ai8, _ = load_package()
-    dtype = getattr(torch, args.dtype)
-    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    for key in args.shapes:
-        shape = bench.NAMED_SHAPES[key]
-        sets = bench.input_sets(shape, dtype, l2_bytes)
-        _, op = bench.make_methods(ai8, shape)["int8"]
-
+    def measure(key, shape, sets, op, ai8):
         for inputs in sets:  # warm-up
             op(*inputs)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.passes):
                 torch.cuda._sleep(bench.HOST_SPIN_CYCLES_PER_CALL * len(sets))
                 for inputs in sets:
@@ -62,9 +50,8 @@ def main():
         parts = [f"{name} {total_us[name] / calls:.1f}us x{launches[name] / calls:.0f}"
                  for name in sorted(total_us, key=total_us.get, reverse=True)]
         print(f"kernel_times {key} {args.dtype}: " + "; ".join(parts), flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return 0
+
+    return bench.for_each_named_shape(args, "kernel_times", measure)
 
 
 if __name__ == "__main__":

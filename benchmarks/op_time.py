@@ -17,10 +17,7 @@ One line per shape:
 
 import sys
 
-import torch
-
 import bench_attention as bench
-from _load import load_package
 
 
 def main():
@@ -28,26 +25,14 @@ def main():
     parser.add_argument("--tag", default="int8", help="a label for this build in the output lines")
     parser.add_argument("--min-seconds", type=float, default=0.3, help="timed work per shape, at least")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("op_time: no CUDA GPU on this machine; nothing to time")
-        return 0
 
-    ai8, _ = load_package()
-    dtype = getattr(torch, args.dtype)
-    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    for key in args.shapes:
-        shape = bench.NAMED_SHAPES[key]
-        sets = bench.input_sets(shape, dtype, l2_bytes)
-        ref = bench.float64_slice(ai8, *sets[0], shape)
-        _, op = bench.make_methods(ai8, shape)["int8"]
-
+    def measure(key, shape, sets, op, ai8):
         ms = bench.time_ms(op, sets, args.min_seconds)
-        cos, rel_l1 = bench.accuracy(op(*sets[0]), ref)
+        cos, rel_l1 = bench.accuracy(op(*sets[0]), bench.float64_slice(ai8, *sets[0], shape))
         print(f"op_time {args.tag} {key} {args.dtype} {ms * 1e3:.1f} us {shape.flops / ms / 1e9:.0f} TF "
               f"cos {cos:.6f} l1 {rel_l1:.5f}", flush=True)
-        del sets, ref
-        torch.cuda.empty_cache()
-    return 0
+
+    return bench.for_each_named_shape(args, "op_time", measure)
 
 
 if __name__ == "__main__":
