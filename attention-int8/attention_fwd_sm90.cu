@@ -115,7 +115,12 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
 }
 
-// The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows past seqlen_q are
+// A query row of a tile: rows below 0 (block 0 under the causal row_shift) and from seqlen_q on hold no query.
+__device__ __forceinline__ bool is_query_row(const AttentionParams& p, int row) {
+  return uint32_t(row) < uint32_t(p.seqlen_q);
+}
+
+// The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows that hold no query are
 // zeros. Loaded before the CTA's set-up, whose barrier wait then hides the latency.
 template <typename Traits>
 using QRowsRaw = uint4[2][Traits::kQKSteps];
@@ -130,7 +135,7 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
     const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 8 * tig;
 #pragma unroll
     for (int c = 0; c < Traits::kQKSteps; ++c)
-      raw[r][c] = rows[r] < p.seqlen_q ? *reinterpret_cast<const uint4*>(row + 32 * c) : make_uint4(0, 0, 0, 0);
+      raw[r][c] = is_query_row(p, rows[r]) ? *reinterpret_cast<const uint4*>(row + 32 * c) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -247,7 +252,7 @@ __device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, uint32_t
   WorkTile w;
   w.m_block = c.m_block, w.head = c.head, w.batch = c.batch;
   w.n_begin = 0;
-  w.n_end = visible_key_blocks<Traits>(p, (w.m_block + 1) * Traits::kBlockM);
+  w.n_end = visible_key_blocks<Traits>(p, sched.block_row0(w.m_block + 1));
   w.partial_row0 = -1;
   if (split) {  // never under the causal mask: the split's range is all its rows see
     const uint32_t n_total = (uint32_t(p.seqlen_kv) + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -288,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLn2 = 0.6931471805599453f;
   using Elem = typename Traits::Elem;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
   constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
   static_assert(kQTileBarrier<Traits> + Traits::kConsumers <= 16, "named barrier ids run out");
 
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (p.schedule.split_tiles > 0) ptx::allow_dependents();
   const int head = work.head, batch = work.batch;
   const int head_kv = int(fast_div(uint32_t(head), p.schedule.head_group));
-  const int m0 = work.m_block * BM;
+  const int m0 = p.schedule.block_row0(work.m_block);  // negative in block 0 under the causal row_shift
   const int64_t bh_q = int64_t(batch) * p.heads_q + head;
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
 
@@ -321,16 +326,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // accumulator rows). Their Q loads go out first, so the set-up below runs under their latency.
   const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
-  const int warp_row0 = m0 + consumer * 64 + warp_in_group * 16;
+  const int warp_row0 = m0 + consumer * Traits::kConsumerRows + warp_in_group * 16;
   int rows[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) rows[r] = warp_row0 + group + 8 * r;
   QRowsRaw<Traits> q_raw;
   if (warpgroup > 0) load_q_rows<Traits>(p, batch, head, rows, tig, q_raw);
 
-  // The consumers whose rows start below seqlen_q: the last query block may leave the later ones without rows,
-  // and they skip the key loop. A stage is free once every warp of these has released it.
-  const int row_consumers = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, 64)));
+  // The consumers with query rows, [first_row_consumer, end_row_consumer): the last query block may leave the later
+  // ones without rows, block 0 under the causal row_shift the first ones (whole consumers: row_shift is a multiple
+  // of kConsumerRows), and they skip the key loop. A stage is free once every warp of these has released it.
+  constexpr int kRows = Traits::kConsumerRows;
+  const int first_row_consumer = max(0, -m0 / kRows);
+  const int end_row_consumer = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, kRows)));
+  const int row_consumers = end_row_consumer - first_row_consumer;
   if (tid == 0) {
     constexpr int kWarpsPerConsumer = Traits::kConsumerWarps / Traits::kConsumers;
     for (int s = 0; s < Traits::kStages; ++s) {
@@ -501,13 +510,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       for (int j = 0; j < 4; ++j) p_frag[kk][j] = ptx::pack2<Elem>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
   };
 
-  // This warpgroup's own tiles: none without rows below seqlen_q, under the causal mask up to its last row's
+  // This warpgroup's own tiles: none without query rows, under the causal mask up to its last row's
   // diagonal (the CTA streams up to the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no
   // mask come first, up to its first row's diagonal: the key-length tail and the causal diagonal are at the end.
-  const int first_row = m0 + consumer * 64;
-  const int n_own = consumer >= row_consumers
+  const int first_row = m0 + consumer * kRows;
+  const int n_own = consumer < first_row_consumer || consumer >= end_row_consumer
                         ? 0
-                        : max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + 64)) - n_begin);
+                        : max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + kRows)) - n_begin);
   int n_unmasked = p.seqlen_kv / BN;
   if (p.causal) n_unmasked = min(n_unmasked, max(0, (first_row + causal_offset + 1) / BN));
   n_unmasked = max(0, min(n_own, n_unmasked - n_begin));
@@ -561,7 +570,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;  // no visible key: zeros; NaN stays NaN
     const float lse_shift = p.sm_scale * q.center_dot[r];
     if (partial) {
-      if (rows[r] < p.seqlen_q) {
+      if (is_query_row(p, rows[r])) {
         const int64_t partial_row = work.partial_row0 + (rows[r] - m0);
         float* o_row = p.o_partial + partial_row * D;
 #pragma unroll
@@ -578,7 +587,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       *reinterpret_cast<uint32_t*>(tile_row + col * sizeof(Elem)) =
           ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
-    if (p.lse != nullptr && tig == 0 && rows[r] < p.seqlen_q)
+    if (p.lse != nullptr && tig == 0 && is_query_row(p, rows[r]))
       p.lse[bh_q * p.seqlen_q + rows[r]] = sum == 0.f ? -INFINITY : (row_max[r] + log2f(sum)) * kLn2 + lse_shift;
   }
   if (partial) return;
@@ -588,7 +597,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
   for (int c = lane; c < 16 * kRowChunks; c += 32) {  // consecutive lanes: consecutive chunks of a row
     const int tile_row = c / kRowChunks, chunk = c % kRowChunks;
-    if (warp_row0 + tile_row < p.seqlen_q)
+    if (is_query_row(p, warp_row0 + tile_row))
       *reinterpret_cast<uint4*>(o_head + int64_t(warp_row0 + tile_row) * p.o_view.row_stride + chunk * (16 / sizeof(Elem))) =
           *reinterpret_cast<const uint4*>(o_tile + tile_row * Traits::kOStageRowBytes + chunk * 16);
   }
@@ -612,8 +621,8 @@ __global__ void __launch_bounds__(128) combine_kv_splits_kernel(const AttentionP
   if (row >= sched.split_tiles * BM) return;
   const int splits = int(sched.splits.divisor), row_in_tile = int(row % BM);
   const TileCoords tile = tile_coords(sched, uint32_t(sched.full_tiles() + row / BM));
-  const int q_row = tile.m_block * BM + row_in_tile, head = tile.head, batch = tile.batch;
-  if (q_row >= p.seqlen_q) return;
+  const int q_row = sched.block_row0(tile.m_block) + row_in_tile, head = tile.head, batch = tile.batch;
+  if (!is_query_row(p, q_row)) return;
   const int64_t partial_row0 = row / BM * splits * BM + row_in_tile;  // split s: + s * BM
 
   ptx::wait_for_predecessor();
@@ -715,6 +724,7 @@ TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int64_t l2_by
   TileSchedule sched;
   sched.block_m = Traits::kBlockM;
   const int query_blocks = int(ceil_div(p.seqlen_q, Traits::kBlockM));
+  if (p.causal) sched.row_shift = TileSchedule::causal_row_shift(p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows);
   sched.tiles = int64_t(query_blocks) * p.heads_q * p.batch;
   sched.query_blocks = FastDivisor(uint32_t(query_blocks));
   sched.heads = FastDivisor(uint32_t(p.heads_q));
@@ -759,6 +769,7 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
         // The schedule must be tile_schedule_sm90's for these params, with its buffers.
         if (sched.block_m != Traits::kBlockM || sched.tiles != ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch ||
             sched.query_blocks.divisor != ceil_div(p.seqlen_q, Traits::kBlockM) || sched.heads.divisor != uint32_t(p.heads_q) ||
+            sched.row_shift != (p.causal ? TileSchedule::causal_row_shift(p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows) : 0) ||
             sched.head_group.divisor != uint32_t(p.heads_q / p.heads_kv) || sched.chunk_heads.divisor < 1 ||
             (p.batch * p.heads_q) % sched.chunk_heads.divisor != 0 || (!p.causal && sched.chunk_heads.divisor != 1) ||
             sched.chunk_tiles.divisor != sched.chunk_heads.divisor * sched.query_blocks.divisor ||

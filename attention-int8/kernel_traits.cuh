@@ -74,7 +74,8 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "an INT8 row must be one 64- or 128-byte swizzle row");
   static constexpr int kConsumers = kConsumers_;
-  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kConsumerRows = 64;  // a consumer's query rows: the m64 of its wgmmas
+  static constexpr int kBlockM = kConsumerRows * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kBlockN == kKeyScaleTokens, "a key tile is one K scale block");

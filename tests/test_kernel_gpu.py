@@ -31,7 +31,9 @@ def test_bug_report_script(ai8):
 
 
 # (Nq, Nkv, causal): single rows, tails of the 128-row query tile and the 64/128-key tiles, Nq > Nkv under
-# the causal mask (leading rows see no key), Nq < Nkv, and long sequences.
+# the causal mask (leading rows see no key), Nq < Nkv, and long sequences. Under the mask, an Nq that leaves 64 or
+# more rows of the Hopper kernel's last query block empty (192 rows at D = 128: Nq 1, 7, 65, 200, 1000, 2048, 8192;
+# 256 at D = 64: 1, 7, 65, 129, 513) starts its first block with 1-3 consumers that have no rows (TileSchedule::row_shift).
 SHAPES = [(1, 1, False), (1, 1, True), (1, 8192, False), (7, 300, True), (64, 64, False), (65, 65, True),
           (127, 129, False), (129, 127, True), (200, 1000, True), (1000, 200, True), (255, 257, False),
           (513, 2049, True), (2048, 2048, True), (4097, 4097, False), (8192, 8192, True)]
