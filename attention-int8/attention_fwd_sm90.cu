@@ -326,7 +326,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // accumulator rows). Their Q loads go out first, so the set-up below runs under their latency.
   const int consumer = warpgroup - 1, next_consumer = (consumer + 1) % Traits::kConsumers;
   const int warp_in_group = (tid % 128) / 32, group = lane / 4, tig = lane % 4;
-  const int warp_row0 = m0 + consumer * Traits::kConsumerRows + warp_in_group * 16;
+  constexpr int kRows = Traits::kConsumerRows;
+  const int first_row = m0 + consumer * kRows;
+  const int warp_row0 = first_row + warp_in_group * 16;
   int rows[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) rows[r] = warp_row0 + group + 8 * r;
@@ -336,7 +338,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // The consumers with query rows, [first_row_consumer, end_row_consumer): the last query block may leave the later
   // ones without rows, block 0 under the causal row_shift the first ones (whole consumers: row_shift is a multiple
   // of kConsumerRows), and they skip the key loop. A stage is free once every warp of these has released it.
-  constexpr int kRows = Traits::kConsumerRows;
   const int first_row_consumer = max(0, -m0 / kRows);
   const int end_row_consumer = min(Traits::kConsumers, int(ceil_div(p.seqlen_q - m0, kRows)));
   const int row_consumers = end_row_consumer - first_row_consumer;
@@ -513,7 +514,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // This warpgroup's own tiles: none without query rows, under the causal mask up to its last row's
   // diagonal (the CTA streams up to the last consumer's, up to kConsumers - 1 tiles more). Tiles that need no
   // mask come first, up to its first row's diagonal: the key-length tail and the causal diagonal are at the end.
-  const int first_row = m0 + consumer * kRows;
   const int n_own = consumer < first_row_consumer || consumer >= end_row_consumer
                         ? 0
                         : max(0, min(work.n_end, visible_key_blocks<Traits>(p, first_row + kRows)) - n_begin);
@@ -724,7 +724,7 @@ TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int64_t l2_by
   TileSchedule sched;
   sched.block_m = Traits::kBlockM;
   const int query_blocks = int(ceil_div(p.seqlen_q, Traits::kBlockM));
-  if (p.causal) sched.row_shift = TileSchedule::causal_row_shift(p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows);
+  sched.row_shift = TileSchedule::row_shift_of(p.causal, p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows);
   sched.tiles = int64_t(query_blocks) * p.heads_q * p.batch;
   sched.query_blocks = FastDivisor(uint32_t(query_blocks));
   sched.heads = FastDivisor(uint32_t(p.heads_q));
@@ -769,7 +769,7 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
         // The schedule must be tile_schedule_sm90's for these params, with its buffers.
         if (sched.block_m != Traits::kBlockM || sched.tiles != ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch ||
             sched.query_blocks.divisor != ceil_div(p.seqlen_q, Traits::kBlockM) || sched.heads.divisor != uint32_t(p.heads_q) ||
-            sched.row_shift != (p.causal ? TileSchedule::causal_row_shift(p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows) : 0) ||
+            sched.row_shift != TileSchedule::row_shift_of(p.causal, p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows) ||
             sched.head_group.divisor != uint32_t(p.heads_q / p.heads_kv) || sched.chunk_heads.divisor < 1 ||
             (p.batch * p.heads_q) % sched.chunk_heads.divisor != 0 || (!p.causal && sched.chunk_heads.divisor != 1) ||
             sched.chunk_tiles.divisor != sched.chunk_heads.divisor * sched.query_blocks.divisor ||

@@ -103,10 +103,6 @@ struct FastDivisor {
 // the unsplit kernel's formulas over the union of the keys. (Keeping m and l apart, rather than one LSE per
 // split, loses nothing at huge logits, where log2 l would vanish in m's rounding.)
 // Non-causal only: causal grids already end in their shortest tiles.
-// Under the causal mask the query blocks end at seqlen_q (row_shift: the rows that do not fill block_m, in whole
-// consumers of 64 rows), so the block whose consumers partly have no rows is block 0, which sees 1-3 key tiles,
-// rather than the last, which sees all of them (benchmarks/RESULTS.md, v70). Without the mask every block sees
-// the same keys and row_shift is 0.
 constexpr int kMaxKvSplits = 4;
 
 struct SplitRowStats {
@@ -122,11 +118,14 @@ struct TileSchedule {
   FastDivisor query_blocks, heads, head_group;  // the decode's divisors; head_group = q heads per k/v head
   FastDivisor chunk_heads, chunk_tiles;           // chunk_tiles = chunk_heads * query_blocks
   int block_m = 0;          // query rows of a work tile
-  int row_shift = 0;        // query block b holds rows b * block_m - row_shift .. (causal only, see below)
+  int row_shift = 0;        // query block b holds rows b * block_m - row_shift .. (row_shift_of)
   __host__ __device__ int block_row0(int m_block) const { return m_block * block_m - row_shift; }
-  // The causal row_shift: the rows seqlen_q leaves empty in its last block, in whole groups of group_rows.
-  static constexpr int causal_row_shift(int seqlen_q, int block_m, int group_rows) {
-    return int(ceil_div(seqlen_q, block_m) * block_m - seqlen_q) / group_rows * group_rows;
+  // Under the causal mask the query blocks end at seqlen_q: row_shift is the rows seqlen_q leaves empty in its last
+  // block, in whole groups of group_rows (a consumer's), so the block whose consumers partly have no rows is block 0,
+  // which sees 1-3 key tiles, rather than the last, which sees all of them (benchmarks/RESULTS.md, v70). Without the
+  // mask every block sees the same keys and row_shift is 0.
+  static constexpr int row_shift_of(bool causal, int seqlen_q, int block_m, int group_rows) {
+    return causal ? int(ceil_div(seqlen_q, block_m) * block_m - seqlen_q) / group_rows * group_rows : 0;
   }
   __host__ __device__ int64_t full_tiles() const { return tiles - split_tiles; }
   __host__ __device__ int64_t ctas() const { return full_tiles() + split_tiles * splits.divisor; }
