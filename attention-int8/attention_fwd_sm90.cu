@@ -6,9 +6,9 @@
 //                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
 // D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
 // keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three (D = 128)
-// or four (D = 64) consumer warpgroups own 64 query rows each. At D = 128 named barriers make the consumers take turns
-// issuing their wgmmas (round robin), so one warpgroup's softmax runs under the others' matrix products
-// instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of
+// or four (D = 64) consumer warpgroups own 64 query rows each. At D = 128 without the causal mask named barriers
+// make the consumers take turns issuing their wgmmas (round robin), so one warpgroup's softmax runs under the
+// others' matrix products instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of
 // tile j - 1 is issued with S_j and overlaps the softmax of tile j: ptxas waits for it partway through the
 // exponentials (SASS), which it did at D = 128 only once Q moved from registers to shared memory
 // (benchmarks/RESULTS.md, v14 and v43).
@@ -757,6 +757,32 @@ TileSchedule tile_schedule_sm90(const AttentionParams& p, int sm_count, int64_t 
                           : tile_schedule<Sm90AttentionKernelTraits<128, __half>>(p, sm_count, l2_bytes, forced_splits);
 }
 
+// Checks the schedule against the traits' tile shapes and launches the kernel (and the combine of a split tail).
+template <typename Traits>
+static cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
+  const TileSchedule& sched = p.schedule;
+  // The schedule must be tile_schedule_sm90's for these params, with its buffers.
+  if (sched.block_m != Traits::kBlockM || sched.tiles != ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch ||
+      sched.query_blocks.divisor != ceil_div(p.seqlen_q, Traits::kBlockM) || sched.heads.divisor != uint32_t(p.heads_q) ||
+      sched.row_shift != TileSchedule::row_shift_of(p.causal, p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows) ||
+      sched.head_group.divisor != uint32_t(p.heads_q / p.heads_kv) || sched.chunk_heads.divisor < 1 ||
+      (p.batch * p.heads_q) % sched.chunk_heads.divisor != 0 || (!p.causal && sched.chunk_heads.divisor != 1) ||
+      sched.chunk_tiles.divisor != sched.chunk_heads.divisor * sched.query_blocks.divisor ||
+      sched.splits.divisor < 1 || sched.splits.divisor > kMaxKvSplits || sched.split_tiles < 0 || sched.split_tiles > sched.tiles ||
+      sched.ctas() > INT32_MAX || (sched.split_tiles > 0 && (p.o_partial == nullptr || p.row_stats == nullptr)))
+    return cudaErrorInvalidValue;
+  CUtensorMap v_map;
+  cudaError_t err = encode_v_map<Traits>(p, &v_map);
+  if (err == cudaSuccess)
+    err = launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, dim3(sched.ctas()), p, stream, v_map);
+  if (err != cudaSuccess || sched.split_tiles == 0) return err;
+  // The combine depends on the tile shapes only: one instance per head dim and element type.
+  using CombineTraits = Sm90AttentionKernelTraits<Traits::kHeadDim, typename Traits::Elem>;
+  constexpr int kRowsPerBlock = 128 / (Traits::kHeadDim / 4);
+  return launch(combine_kv_splits_kernel<CombineTraits>, dim3(ceil_div(sched.split_tiles * Traits::kBlockM, kRowsPerBlock)),
+                128, 0, stream, /*dependent=*/true, p);
+}
+
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
@@ -764,26 +790,14 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
       return cudaErrorInvalidValue;
     } else {
       return dispatch_elem(p.dtype, [&](auto elem) {
-        using Traits = Sm90AttentionKernelTraits<D, decltype(elem)>;
-        const TileSchedule& sched = p.schedule;
-        // The schedule must be tile_schedule_sm90's for these params, with its buffers.
-        if (sched.block_m != Traits::kBlockM || sched.tiles != ceil_div(p.seqlen_q, Traits::kBlockM) * p.heads_q * p.batch ||
-            sched.query_blocks.divisor != ceil_div(p.seqlen_q, Traits::kBlockM) || sched.heads.divisor != uint32_t(p.heads_q) ||
-            sched.row_shift != TileSchedule::row_shift_of(p.causal, p.seqlen_q, Traits::kBlockM, Traits::kConsumerRows) ||
-            sched.head_group.divisor != uint32_t(p.heads_q / p.heads_kv) || sched.chunk_heads.divisor < 1 ||
-            (p.batch * p.heads_q) % sched.chunk_heads.divisor != 0 || (!p.causal && sched.chunk_heads.divisor != 1) ||
-            sched.chunk_tiles.divisor != sched.chunk_heads.divisor * sched.query_blocks.divisor ||
-            sched.splits.divisor < 1 || sched.splits.divisor > kMaxKvSplits || sched.split_tiles < 0 || sched.split_tiles > sched.tiles ||
-            sched.ctas() > INT32_MAX || (sched.split_tiles > 0 && (p.o_partial == nullptr || p.row_stats == nullptr)))
-          return cudaErrorInvalidValue;
-        CUtensorMap v_map;
-        cudaError_t err = encode_v_map<Traits>(p, &v_map);
-        if (err == cudaSuccess)
-          err = launch_attention_kernel<Traits>(attention_fwd_sm90_kernel<Traits>, dim3(sched.ctas()), p, stream, v_map);
-        if (err != cudaSuccess || sched.split_tiles == 0) return err;
-        constexpr int kRowsPerBlock = 128 / (D / 4);
-        return launch(combine_kv_splits_kernel<Traits>, dim3(ceil_div(sched.split_tiles * Traits::kBlockM, kRowsPerBlock)),
-                      128, 0, stream, /*dependent=*/true, p);
+        // Turn-taking only at D = 128 without the causal mask (kernel_traits.cuh).
+        const auto launch_with = [&](auto take_turns) {
+          return launch_sm90<Sm90AttentionKernelTraits<D, decltype(elem), decltype(take_turns)::value>>(p, stream);
+        };
+        if constexpr (D == 128) {
+          if (!p.causal) return launch_with(std::true_type{});
+        }
+        return launch_with(std::false_type{});
       });
     }
   });

@@ -68,7 +68,8 @@ struct AttentionKernelTraits {
 // next to O. At D = 64, whose wgmmas are half as long and whose O is half the size, a fourth consumer (112
 // registers) keeps one more softmax in flight: op time -7% (benchmarks/RESULTS.md, v50; before v43 moved Q to
 // shared memory, four were 16-20% slower, v27).
-template <int kHeadDim_, typename Elem_, int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3), int kBlockN_ = 64, int kStages_ = 4>
+template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3),
+          int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -93,10 +94,12 @@ struct Sm90AttentionKernelTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kLaunchRegs * kThreads, "claims exceed the pool");
   static constexpr int kStages = kStages_;
-  // Consumers take turns issuing their wgmmas at D = 128; at D = 64 they run free. Measured both ways (op time,
-  // benchmarks/RESULTS.md v44): turns are 2% faster at D = 128 without the causal mask (1% slower with it), and
-  // 3-4% slower at D = 64, whose shorter matrix products leave less for a waiting consumer to hide behind.
-  static constexpr bool kTakeTurns = kHeadDim == 128;
+  // Whether the consumers take turns issuing their wgmmas; the launcher sets it at D = 128 without the causal
+  // mask only. Measured both ways (op time, benchmarks/RESULTS.md v44, v71): turns are 2% faster at D = 128
+  // without the mask; under it the consumers' tile counts differ and the turns cost 1%; at D = 64 they cost
+  // 3-4%, its shorter matrix products leaving less for a waiting consumer to hide behind.
+  static constexpr bool kTakeTurns = kTakeTurns_;
+  static_assert(!kTakeTurns || kHeadDim == 128, "turns are measured slower at D = 64");
 
   static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
   static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
