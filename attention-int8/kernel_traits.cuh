@@ -96,7 +96,7 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kStages = kStages_;
   // Whether the consumers take turns issuing their wgmmas; the launcher sets it at D = 128 without the causal
   // mask only. Measured both ways (op time, benchmarks/RESULTS.md v44, v71): turns are 2% faster at D = 128
-  // without the mask; under it the consumers' tile counts differ and the turns cost 1%; at D = 64 they cost
+  // without the mask; under it the consumers' tile counts differ and the turns cost 1-2.5%; at D = 64 they cost
   // 3-4%, its shorter matrix products leaving less for a waiting consumer to hide behind.
   static constexpr bool kTakeTurns = kTakeTurns_;
   static_assert(!kTakeTurns || kHeadDim == 128, "turns are measured slower at D = 64");
