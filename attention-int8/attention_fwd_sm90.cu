@@ -1,12 +1,13 @@
 // INT8 attention forward, Hopper kernel (sm_90a): the same algorithm as attention_fwd.cu, with both
 // matrix products on warpgroup MMAs (wgmma.mma_async):
 //   S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q and K from shared memory by descriptor;
-//   O += P V      : m64n(D+8)k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
+//   O += P V      : m64n(D'+8)k16 f16/bf16 -> f32, P straight from registers (the S accumulator layout
 //                   is the A-register layout), V read transposed (MN-major) from shared memory and
 //                   followed by 8 columns of ones: the row sums of P come out of the same wgmma.
-// D = 64 or 128. Warp specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64
-// keys through kStages shared-memory stages with bulk and TMA copies on transaction barriers; three (D = 128)
-// or four (D = 64) consumer warpgroups own 64 query rows each. At D = 128 without the causal mask named barriers
+// D' = D for D = 64 and 128; D = 96 runs as D' = 128 on rows padded with zeros (Traits::kMmaDim). Warp
+// specialization (kernel_traits.cuh): a producer thread streams K/V tiles of 64 keys through kStages shared-memory
+// stages with bulk and TMA copies on transaction barriers; three (D' = 128) or four (D = 64) consumer warpgroups own
+// 64 query rows each. At D' = 128 without the causal mask named barriers
 // make the consumers take turns issuing their wgmmas (round robin), so one warpgroup's softmax runs under the
 // others' matrix products instead of all doing softmax at the same time (Traits::kTakeTurns). Inside a warpgroup, the P.V wgmma of
 // tile j - 1 is issued with S_j and overlaps the softmax of tile j: ptxas waits for it partway through the
@@ -120,8 +121,9 @@ __device__ __forceinline__ bool is_query_row(const AttentionParams& p, int row) 
   return uint32_t(row) < uint32_t(p.seqlen_q);
 }
 
-// The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows that hold no query are
-// zeros. Loaded before the CTA's set-up, whose barrier wait then hides the latency.
+// The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows that hold no query, and
+// channels from D on (D = 96's padding), are zeros. Loaded before the CTA's set-up, whose barrier wait then hides
+// the latency.
 template <typename Traits>
 using QRowsRaw = uint4[2][Traits::kQKSteps];
 
@@ -135,7 +137,8 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
     const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 8 * tig;
 #pragma unroll
     for (int c = 0; c < Traits::kQKSteps; ++c)
-      raw[r][c] = is_query_row(p, rows[r]) ? *reinterpret_cast<const uint4*>(row + 32 * c) : make_uint4(0, 0, 0, 0);
+      raw[r][c] = 32 * c < Traits::kHeadDim && is_query_row(p, rows[r]) ? *reinterpret_cast<const uint4*>(row + 32 * c)
+                                                                        : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -183,7 +186,8 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < kPerRow; ++i) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
+      for (int i = 0; i < kPerRow; ++i)
+        if (32 * (i / 8) < Traits::kHeadDim) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
     ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
@@ -270,14 +274,14 @@ template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
                                               const CUtensorMap* v_map, int head_kv, int batch, int n_begin,
                                               int n_blocks) {
-  constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
+  constexpr int BN = Traits::kBlockN;
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
     const int64_t n0 = int64_t(n_begin + n_block) * BN;
     sm90::mbarrier_wait(smem.empty(stage), free_parity);
     sm90::mbarrier_arrive_expect_tx(smem.full(stage), Traits::kSmemKBytes + Traits::kSmemVBytes);
-    sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * D, Traits::kSmemKBytes, smem.full(stage));
+    sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * Traits::kQKRowBytes, Traits::kSmemKBytes, smem.full(stage));
     // Keys past seqlen_kv arrive as zeros (P is 0 there, and 0 * garbage could be NaN). Full boxes
     // count towards the transaction bytes either way.
 #pragma unroll
@@ -365,7 +369,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0) {
       ptx::wait_for_predecessor();  // K and its scales come from the quantizer
-      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * D, &v_map, head_kv, batch, n_begin, n_blocks);
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes, &v_map, head_kv, batch, n_begin,
+                            n_blocks);
     }
     return;
   }
@@ -556,7 +561,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   // Epilogue: normalize, store O in the input dtype, and the natural-log LSE. Every thread holds its rows'
-  // sums: the accumulators of the ones columns (register kOutRegs + 2r is row r, column D + 2 tig).
+  // sums: the accumulators of the ones columns (register kOutRegs + 2r is row r, column kMmaDim + 2 tig).
   // O goes through the warp's staging tile: straight from the accumulators, a warp's store would write
   // 16 bytes in each of 8 rows (4x the store instructions of whole 16-byte chunks, in half sectors),
   // and at short sequences that epilogue took ~5% of a CTA's time (RESULTS v19).
@@ -575,7 +580,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         float* o_row = p.o_partial + partial_row * D;
 #pragma unroll
         for (int i = 2 * r; i < Traits::kOutRegs; i += 4)
-          *reinterpret_cast<float2*>(o_row + 8 * (i / 4) + 2 * tig) = make_float2(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
+          if (8 * (i / 4) < D)  // D = 96: the padding channels stay behind
+            *reinterpret_cast<float2*>(o_row + 8 * (i / 4) + 2 * tig) = make_float2(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
         if (tig == 0) p.row_stats[partial_row] = SplitRowStats{row_max[r], sum, lse_shift};
       }
       continue;
@@ -606,18 +612,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #endif
 }
 
-// Merges the splits of the split tiles (TileSchedule's formulas): D / 4 threads a query row, 4 channels each.
-// A NaN reaches O through l_s and O_s (fmaxf skips a NaN m, but l is NaN then too); a row without any visible
-// key gets zeros and -inf, as unsplit. Reads what the attention kernel just wrote, so through L2
-// (ld.global.cg), after waiting for it.
+// Merges the splits of the split tiles (TileSchedule's formulas): D / 4 consecutive threads a query row, 4 channels
+// each (at D = 96 a row may straddle two blocks). A NaN reaches O through l_s and O_s (fmaxf skips a NaN m, but l is
+// NaN then too); a row without any visible key gets zeros and -inf, as unsplit. Reads what the attention kernel just
+// wrote, so through L2 (ld.global.cg), after waiting for it.
+constexpr int kCombineThreads = 128;
 template <typename Traits>
-__global__ void __launch_bounds__(128) combine_kv_splits_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kCombineThreads) combine_kv_splits_kernel(const AttentionParams p) {
   using Elem = typename Traits::Elem;
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, kRowThreads = D / 4;
   const TileSchedule& sched = p.schedule;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kRowThreads;  // of split_tiles * BM
-  const int col = threadIdx.x % kRowThreads * 4;
+  const int64_t thread = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
+  const int64_t row = thread / kRowThreads;  // of split_tiles * BM
+  const int col = int(thread % kRowThreads) * 4;
   if (row >= sched.split_tiles * BM) return;
   const int splits = int(sched.splits.divisor), row_in_tile = int(row % BM);
   const TileCoords tile = tile_coords(sched, uint32_t(sched.full_tiles() + row / BM));
@@ -753,8 +761,11 @@ TileSchedule tile_schedule(const AttentionParams& p, int sm_count, int64_t l2_by
 
 TileSchedule tile_schedule_sm90(const AttentionParams& p, int sm_count, int64_t l2_bytes, int forced_splits) {
   // Tile shapes do not depend on the element type.
-  return p.head_dim == 64 ? tile_schedule<Sm90AttentionKernelTraits<64, __half>>(p, sm_count, l2_bytes, forced_splits)
-                          : tile_schedule<Sm90AttentionKernelTraits<128, __half>>(p, sm_count, l2_bytes, forced_splits);
+  switch (p.head_dim) {
+    case 64: return tile_schedule<Sm90AttentionKernelTraits<64, __half>>(p, sm_count, l2_bytes, forced_splits);
+    case 96: return tile_schedule<Sm90AttentionKernelTraits<96, __half>>(p, sm_count, l2_bytes, forced_splits);
+    default: return tile_schedule<Sm90AttentionKernelTraits<128, __half>>(p, sm_count, l2_bytes, forced_splits);
+  }
 }
 
 // Checks the schedule against the traits' tile shapes and launches the kernel (and the combine of a split tail).
@@ -778,9 +789,10 @@ static cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (err != cudaSuccess || sched.split_tiles == 0) return err;
   // The combine depends on the tile shapes only: one instance per head dim and element type.
   using CombineTraits = Sm90AttentionKernelTraits<Traits::kHeadDim, typename Traits::Elem>;
-  constexpr int kRowsPerBlock = 128 / (Traits::kHeadDim / 4);
-  return launch(combine_kv_splits_kernel<CombineTraits>, dim3(ceil_div(sched.split_tiles * Traits::kBlockM, kRowsPerBlock)),
-                128, 0, stream, /*dependent=*/true, p);
+  constexpr int kRowThreads = Traits::kHeadDim / 4;  // combine_kv_splits_kernel's
+  return launch(combine_kv_splits_kernel<CombineTraits>,
+                dim3(ceil_div(sched.split_tiles * Traits::kBlockM * kRowThreads, kCombineThreads)), kCombineThreads, 0,
+                stream, /*dependent=*/true, p);
 }
 
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
@@ -790,11 +802,11 @@ cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t
       return cudaErrorInvalidValue;
     } else {
       return dispatch_elem(p.dtype, [&](auto elem) {
-        // Turn-taking only at D = 128 without the causal mask (kernel_traits.cuh).
+        // Turn-taking only at D' = 128 without the causal mask (kernel_traits.cuh).
         const auto launch_with = [&](auto take_turns) {
           return launch_sm90<Sm90AttentionKernelTraits<D, decltype(elem), decltype(take_turns)::value>>(p, stream);
         };
-        if constexpr (D == 128) {
+        if constexpr (Sm90AttentionKernelTraits<D, decltype(elem)>::kMmaDim == 128) {
           if (!p.causal) return launch_with(std::true_type{});
         }
         return launch_with(std::false_type{});

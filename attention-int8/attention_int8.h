@@ -28,11 +28,16 @@ __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a
 
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
 
-// The Hopper kernel (wgmma, built for sm_90a) serves head_dim 64 and 128 on compute capability 9.0:
-// its INT8 rows must be one 64- or 128-byte swizzle row. Everything else takes the portable kernel.
+// The Hopper kernel (wgmma, built for sm_90a) serves every supported head_dim on compute capability 9.0;
+// everything else takes the portable kernel.
 constexpr bool sm90_kernel_supported(int cc_major, int cc_minor, int head_dim) {
-  return cc_major == 9 && cc_minor == 0 && (head_dim == 64 || head_dim == 128);
+  return cc_major == 9 && cc_minor == 0 && head_dim_supported(head_dim);
 }
+
+// The Hopper kernel's INT8 rows (K's workspace, Q's shared-memory tile) are one 64- or 128-byte swizzle row, so
+// D = 96 runs on rows padded with zeros to 128 bytes: zeros add nothing to Q.K^T, and V's and O's channels past D
+// are zeros that are never stored.
+constexpr int sm90_row_bytes(int head_dim) { return head_dim <= 64 ? 64 : 128; }
 
 // Rows of an [B, H, N, D] tensor addressed by strides (in elements; the D stride must be 1).
 struct RowMajorView {
@@ -63,9 +68,9 @@ struct QuantizeParams {
   int tokens_per_scale;  // 1 or kKeyScaleTokens
   float out_scale;
   ElemType dtype;
-  // Head dims the sm90 kernel serves only: store each row's 16-byte chunks in the K-major swizzled
-  // order of swizzle.cuh (D-byte rows), the shared-memory image the sm90 kernel's wgmma reads, so it
-  // loads tiles with plain contiguous copies.
+  // For the sm90 kernel: store each row's 16-byte chunks in the K-major swizzled order of swizzle.cuh, in rows
+  // of sm90_row_bytes(D) bytes (D = 96: zeros after the data), the shared-memory image the sm90 kernel's wgmma
+  // reads, so it loads tiles with plain contiguous copies. x_q is then [B, H, n_pad, sm90_row_bytes(D)].
   bool sm90_layout;
   // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): K's
   // centre's, whose output is `mean`.
@@ -144,7 +149,7 @@ struct AttentionParams {
   const void* q_input;    // sm90: Q as given; base and strides 16-byte aligned
   RowMajorView q_view;
   float q_out_scale;      // sm90: sm_scale * log2(e), the quantizer's out_scale for Q
-  const int8_t* k;        // [B, Hkv, seqlen_kv_pad, D]
+  const int8_t* k;        // [B, Hkv, seqlen_kv_pad, D]; sm90: rows of sm90_row_bytes(D) (QuantizeParams)
   const float* k_scale;   // [B, Hkv, seqlen_kv_pad / kKeyScaleTokens]
   const void* v;          // the sm90 kernel reads V by TMA: base and strides 16-byte aligned, none 0
   RowMajorView v_view;

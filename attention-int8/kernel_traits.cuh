@@ -57,8 +57,8 @@ struct AttentionKernelTraits {
 
 // Hopper kernel (wgmma, sm_90a), warp-specialized: one producer warpgroup whose single thread streams
 // K and V into shared memory, and kConsumers MMA warpgroups of 64 query rows each over K/V tiles of
-// kBlockN keys; each consumer quantizes its own Q rows into a shared-memory tile. K arrives as INT8 rows of D
-// bytes already in the K-major swizzled order of swizzle.cuh (the quantizer writes it), so a tile is
+// kBlockN keys; each consumer quantizes its own Q rows into a shared-memory tile. K arrives as INT8 rows of
+// kMmaDim bytes already in the K-major swizzled order of swizzle.cuh (the quantizer writes it), so a tile is
 // one contiguous bulk copy; V is read from the user's tensor by TMA, which swizzles it into boxes of
 // 64 keys x 64 channels (128 B per key) that the P.V wgmma reads MN-major (wgmma.cuh).
 //
@@ -72,15 +72,18 @@ template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, int kConsumer
           int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "an INT8 row must be one 64- or 128-byte swizzle row");
+  static constexpr int kHeadDim = kHeadDim_;  // the data's: Q, V and O rows, K's centre
+  // The matrix products' head dim: an INT8 row must be one 64- or 128-byte swizzle row, so D = 96 runs as 128 on
+  // rows padded with zeros (sm90_row_bytes), for 4/3 of the matrix work.
+  static constexpr int kMmaDim = sm90_row_bytes(kHeadDim);
+  static_assert(kHeadDim == kMmaDim || (kHeadDim == 96 && kMmaDim == 128), "D = 64 and 128, or 96 padded to 128");
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kConsumerRows = 64;  // a consumer's query rows: the m64 of its wgmmas
   static constexpr int kBlockM = kConsumerRows * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kBlockN == kKeyScaleTokens, "a key tile is one K scale block");
-  static_assert(2 * kHeadDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::SmallIntScale");
+  static_assert(2 * kMmaDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::SmallIntScale");
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;
@@ -99,25 +102,25 @@ struct Sm90AttentionKernelTraits {
   // without the mask; under it the consumers' tile counts differ and the turns cost 1-2.5%; at D = 64 they cost
   // 3-4%, its shorter matrix products leaving less for a waiting consumer to hide behind.
   static constexpr bool kTakeTurns = kTakeTurns_;
-  static_assert(!kTakeTurns || kHeadDim == 128, "turns are measured slower at D = 64");
+  static_assert(!kTakeTurns || kMmaDim == 128, "turns are measured slower at D = 64");
 
-  static constexpr int kQKRowBytes = kHeadDim;   // INT8 K rows: the K-major swizzle width
-  static constexpr int kQKSteps = kHeadDim / 32;  // k32 wgmma steps for S = Q K^T
+  static constexpr int kQKRowBytes = kMmaDim;    // INT8 Q and K rows: the K-major swizzle width
+  static constexpr int kQKSteps = kMmaDim / 32;   // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;   // k16 wgmma steps for O += P V
   static constexpr int kSAccRegs = kBlockN / 2;   // m64 x kBlockN accumulator registers per thread
   // The P.V wgmma is D + 8 wide: after V's D channels come 8 columns of ones, whose accumulators
   // collect the row sums of P (the same fp16/bf16 P that multiplies V) on the tensor cores.
   static constexpr int kSumColumns = 8;
-  static constexpr int kPVN = kHeadDim + kSumColumns;
-  static constexpr int kOAccRegs = kPVN / 2;      // m64 x (D + 8): O, then the row sums
-  static constexpr int kOutRegs = kHeadDim / 2;   // the O part
+  static constexpr int kPVN = kMmaDim + kSumColumns;
+  static constexpr int kOAccRegs = kPVN / 2;      // m64 x (kMmaDim + 8): O, then the row sums
+  static constexpr int kOutRegs = kMmaDim / 2;    // the O part (D = 96: its last 32 channels are zeros)
 
   // V boxes: kBlockN keys x 64 channels, one 128-byte swizzle row per key. After them, each stage holds
   // one more box of ones (written once, never copied): the channels D.. of the P.V wgmma.
   static constexpr int kVBoxChannels = 128 / sizeof(Elem);
-  static_assert(kHeadDim % kVBoxChannels == 0, "V tiles are whole 64-channel boxes");
+  static_assert(kMmaDim % kVBoxChannels == 0, "V tiles are whole 64-channel boxes (D = 96: TMA fills the rest with zeros)");
   static_assert(kSumColumns <= kVBoxChannels, "the sum columns fit one box");
-  static constexpr int kVBoxes = kHeadDim / kVBoxChannels;
+  static constexpr int kVBoxes = kMmaDim / kVBoxChannels;
   static constexpr int kSmemVBoxBytes = kBlockN * 128;
 
   static constexpr int kSmemKBytes = kBlockN * kQKRowBytes;
@@ -127,8 +130,8 @@ struct Sm90AttentionKernelTraits {
   static_assert(kSmemStageBytes % 1024 == 0, "stages start on 1024-byte swizzle atoms");
   // O leaves through shared memory: each consumer warp stages its 16 rows there (padded by 16 bytes, so the
   // accumulator layout's 4-byte writes hit 32 distinct banks) and stores them as whole 16-byte chunks.
-  static constexpr int kORowBytes = kHeadDim * sizeof(Elem);
-  static constexpr int kOStageRowBytes = kORowBytes + 16;
+  static constexpr int kORowBytes = kHeadDim * sizeof(Elem);  // what leaves for global memory
+  static constexpr int kOStageRowBytes = kMmaDim * sizeof(Elem) + 16;
   static constexpr int kSmemOWarpBytes = 16 * kOStageRowBytes;
   static constexpr int kSmemOBytes = kConsumerWarps * kSmemOWarpBytes;
   // Until the epilogue, a consumer's four staging tiles hold its INT8 Q tile (64 rows), in K's swizzled layout.

@@ -201,14 +201,18 @@ __device__ __forceinline__ void apply_prescale(const GroupScale& g, float (&x)[k
 template <int kHeadDim>
 __device__ __forceinline__ void store_values(const QuantizeParams& p, const RowChunk& r, int chunk, const float (&x)[kChunkElems],
                                              const GroupScale& g) {
-  if (!r.active) return;
+  constexpr int kSm90RowBytes = sm90_row_bytes(kHeadDim);
+  // D = 96 in the sm90 layout: the lanes past the row's data, idle otherwise, store the zeros of its padding (their
+  // x are zeros, as in the rows past seqlen).
+  const bool padding = kSm90RowBytes > kHeadDim && p.sm90_layout && r.n < p.seqlen_pad && chunk * kChunkElems < kSm90RowBytes;
+  if (!r.active && !padding) return;
   // A group holding a non-finite value stores zeros (its scale is NaN), as reference.py does.
   const uint2 q8 = g.finite ? make_uint2(quant::quantize4(x, g.inv_scale), quant::quantize4(x + 4, g.inv_scale)) : make_uint2(0, 0);
   // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
-  int byte_in_row = chunk * kChunkElems;
-  if constexpr (kHeadDim == 64 || kHeadDim == 128)  // the head dims sm90_kernel_supported() accepts
-    if (p.sm90_layout) byte_in_row = swizzle::chunk_position<kHeadDim>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
-  *reinterpret_cast<uint2*>(p.x_q + r.row * kHeadDim + byte_in_row) = q8;
+  int row_bytes = kHeadDim, byte_in_row = chunk * kChunkElems;
+  if (p.sm90_layout)
+    row_bytes = kSm90RowBytes, byte_in_row = swizzle::chunk_position<kSm90RowBytes>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
+  *reinterpret_cast<uint2*>(p.x_q + r.row * row_bytes + byte_in_row) = q8;
 }
 
 // The group's first row stores its scale (one lane of it).

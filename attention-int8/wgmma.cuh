@@ -1,7 +1,7 @@
 // Hopper (sm_90a) warpgroup MMA wrappers: wgmma.mma_async with shared-memory descriptors.
 //
 // Shared-memory operand layouts (swizzle.cuh gives the chunk order):
-//  - K-major (Q, K: INT8 rows of D bytes, D = 64 or 128): rows of kRowBytes, swizzled in atoms of 8
+//  - K-major (Q, K: INT8 rows of 64 or 128 bytes, Traits::kMmaDim): rows of kRowBytes, swizzled in atoms of 8
 //    rows; the descriptor's stride byte offset (SBO) is the atom, 8 * kRowBytes. A K step inside the
 //    row is a plain start-address offset: the hardware applies the XOR.
 //  - MN-major (V, the B operand of P.V, read transposed): TMA boxes of 64 keys x 64 channels (128 B of

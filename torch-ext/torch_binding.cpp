@@ -137,7 +137,7 @@ at::Tensor readable_in_place(const at::Tensor& x, Layout layout, bool sm90) {
 }
 
 struct QuantizedRows {
-  at::Tensor values;   // int8 [B, H, seqlen_pad, D]
+  at::Tensor values;   // int8 [B, H, seqlen_pad, D] (sm90 layout: D -> sm90_row_bytes(D))
   at::Tensor scales;   // fp32 [B, H, ceil_div(seqlen_pad, tokens_per_scale)]
   at::Tensor row_dot;  // fp32 [B, H, seqlen_pad] (x . dot_vec), when a dot_vec was given
 };
@@ -151,7 +151,8 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   const Shape s = shape_of(x, layout);
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.options().dtype(at::kFloat);
-  QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, s.head_dim}, x.options().dtype(at::kChar)),
+  const int64_t row_bytes = sm90_layout ? ai8::sm90_row_bytes(static_cast<int>(s.head_dim)) : s.head_dim;
+  QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, row_bytes}, x.options().dtype(at::kChar)),
                     at::empty({s.batch, s.heads, ai8::ceil_div(seqlen_pad, tokens_per_scale)}, f32),
                     dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
