@@ -29,7 +29,7 @@ def lse_ref_atol(dtype):
 
 KINDS = ("normal", "k_offset", "q_shift")
 
-# The binding runs the Hopper (wgmma) kernel for head_dim 64 and 128 on compute capability 9.0 and the
+# The binding runs the Hopper (wgmma) kernel on compute capability 9.0 (D = 96 on rows padded to 128) and the
 # portable mma.sync kernel otherwise; ATTENTION_INT8_FORCE_PORTABLE=1 (read per call) forces the portable one.
 KERNELS = ("auto", "portable")
 
@@ -39,8 +39,8 @@ def select_kernel(monkeypatch, kernel):
 
 
 def kernels_for(case):
-    """Both choices for the head dims the Hopper kernel serves; others run the portable kernel anyway."""
-    return KERNELS if case.head_dim in (64, 128) else KERNELS[:1]
+    """Both choices: the Hopper kernel serves every supported head dim (on other GPUs both are the portable one)."""
+    return KERNELS
 
 
 def kernel_params(cases):
@@ -230,11 +230,13 @@ ODD_CASES = (
 
 # Split-KV, the Hopper kernel's (elsewhere these run unsplit): ATTENTION_INT8_KV_SPLITS=n splits every non-causal
 # tile's key tiles (64 keys) n ways. 1000 keys = 16 tiles (uneven thirds; the masked tail in the last split),
-# 200 = 4 (one tile a split at n = 4), 130 = 3 (n = 4 capped at 3); causal attention is never split.
+# 200 = 4 (one tile a split at n = 4), 130 = 3 (n = 4 capped at 3); causal attention is never split. D = 96: the
+# combine's rows of 24 threads straddle its 128-thread blocks.
 KV_SPLIT_CASES = [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=1000, head_dim=128),
     Case(heads_q=8, heads_kv=1, seqlen_q=129, seqlen_kv=200, head_dim=64, dtype=torch.bfloat16, layout="NHD",
          kind="k_offset"),
     Case(heads_q=2, heads_kv=2, seqlen_q=16, seqlen_kv=130, head_dim=128, dtype=torch.bfloat16, kind="q_shift"),
     Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=500, seqlen_kv=700, head_dim=64, is_causal=True),
+    Case(batch=2, heads_q=3, heads_kv=3, seqlen_q=200, seqlen_kv=777, head_dim=96, layout="NHD", kind="k_offset"),
 ]

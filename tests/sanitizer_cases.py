@@ -28,7 +28,8 @@ def main():
             os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "1" if kernel == "portable" else "0"
             failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
     os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "0"
-    for splits, case in enumerate(KV_SPLIT_CASES[:3], start=2):
+    split_cases = tuple(zip((2, 3, 4, 2), (*KV_SPLIT_CASES[:3], KV_SPLIT_CASES[-1])))  # the last: D = 96
+    for splits, case in split_cases:
         os.environ["ATTENTION_INT8_KV_SPLITS"] = str(splits)
         failures += [f"{splits} key splits: {f}" for f in check_case(ai8, case, generator)]
     del os.environ["ATTENTION_INT8_KV_SPLITS"]
@@ -44,7 +45,7 @@ def main():
                 failures.append(f"key_center {kind} N{seqlen} D{head_dim}: differs from the reference")
     for failure in failures:
         print("FAIL", failure)
-    print(f"{len(ODD_CASES) + 3} attention cases, 2 quantizer cases and {2 * len(CENTER_KINDS)} centre cases: "
+    print(f"{len(ODD_CASES) + len(split_cases)} attention cases, 2 quantizer cases and {2 * len(CENTER_KINDS)} centre cases: "
           f"{len(failures)} failures")
     return 1 if failures else 0
 
