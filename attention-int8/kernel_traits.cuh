@@ -97,8 +97,8 @@ struct Sm90AttentionKernelTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg allows at most 256 registers");
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kLaunchRegs * kThreads, "claims exceed the pool");
   static constexpr int kStages = kStages_;
-  // Whether the consumers take turns issuing their wgmmas; the launcher sets it at D = 128 without the causal
-  // mask only. Measured both ways (op time, benchmarks/RESULTS.md v44, v71): turns are 2% faster at D = 128
+  // Whether the consumers take turns issuing their wgmmas; the launcher sets it at kMmaDim = 128 (D = 96, 128)
+  // without the causal mask only. Measured both ways (op time, benchmarks/RESULTS.md v44, v71): turns are 2% faster at D = 128
   // without the mask; under it the consumers' tile counts differ and the turns cost 1-2.5%; at D = 64 they cost
   // 3-4%, its shorter matrix products leaving less for a waiting consumer to hide behind.
   static constexpr bool kTakeTurns = kTakeTurns_;
