@@ -621,7 +621,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(kCombineThreads) combine_kv_splits_kernel(const AttentionParams p) {
   using Elem = typename Traits::Elem;
   constexpr float kLn2 = 0.6931471805599453f;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, kRowThreads = D / 4;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, kRowThreads = Traits::kCombineRowThreads;
   const TileSchedule& sched = p.schedule;
   const int64_t thread = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
   const int64_t row = thread / kRowThreads;  // of split_tiles * BM
@@ -789,10 +789,9 @@ static cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (err != cudaSuccess || sched.split_tiles == 0) return err;
   // The combine depends on the tile shapes only: one instance per head dim and element type.
   using CombineTraits = Sm90AttentionKernelTraits<Traits::kHeadDim, typename Traits::Elem>;
-  constexpr int kRowThreads = Traits::kHeadDim / 4;  // combine_kv_splits_kernel's
   return launch(combine_kv_splits_kernel<CombineTraits>,
-                dim3(ceil_div(sched.split_tiles * Traits::kBlockM * kRowThreads, kCombineThreads)), kCombineThreads, 0,
-                stream, /*dependent=*/true, p);
+                dim3(ceil_div(sched.split_tiles * Traits::kBlockM * Traits::kCombineRowThreads, kCombineThreads)),
+                kCombineThreads, 0, stream, /*dependent=*/true, p);
 }
 
 cudaError_t launch_attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {

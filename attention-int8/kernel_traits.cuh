@@ -137,6 +137,8 @@ struct Sm90AttentionKernelTraits {
   // Until the epilogue, a consumer's four staging tiles hold its INT8 Q tile (64 rows), in K's swizzled layout.
   static_assert(4 * kSmemOWarpBytes % 1024 == 0 && 4 * kSmemOWarpBytes >= 64 * kQKRowBytes,
                 "a consumer's staging tiles hold its Q tile, on a swizzle atom boundary");
+  // The split-KV combine: this many consecutive threads merge a query row's fp32 partials, 4 channels each.
+  static constexpr int kCombineRowThreads = kHeadDim / 4;
   // Barriers: full/empty per stage (K and V together).
   static constexpr int kBarriers = 2 * kStages;
   static constexpr int kSmemBytes =

@@ -38,14 +38,10 @@ def select_kernel(monkeypatch, kernel):
     monkeypatch.setenv("ATTENTION_INT8_FORCE_PORTABLE", "1" if kernel == "portable" else "0")
 
 
-def kernels_for(case):
-    """Both choices: the Hopper kernel serves every supported head dim (on other GPUs both are the portable one)."""
-    return KERNELS
-
-
 def kernel_params(cases):
-    """pytest params (case, kernel) for every case and each of its kernels."""
-    return [pytest.param(case, kernel, id=f"{case}-{kernel}") for case in cases for kernel in kernels_for(case)]
+    """pytest params (case, kernel) for every case and both kernel choices (on GPUs other than Hopper both are the
+    portable kernel)."""
+    return [pytest.param(case, kernel, id=f"{case}-{kernel}") for case in cases for kernel in KERNELS]
 
 
 def metrics(out, ref):

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from _helpers import (CENTER_KINDS, KV_SPLIT_CASES, ODD_CASES, center_inputs, check_case, check_quantize, kernels_for,
+from _helpers import (CENTER_KINDS, KERNELS, KV_SPLIT_CASES, ODD_CASES, center_inputs, check_case, check_quantize,
                       to_layout)
 from conftest import load_package
 
@@ -24,7 +24,7 @@ def main():
     generator = torch.Generator("cuda").manual_seed(0)
     failures = []
     for case in ODD_CASES:
-        for kernel in kernels_for(case):
+        for kernel in KERNELS:
             os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "1" if kernel == "portable" else "0"
             failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
     os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "0"
