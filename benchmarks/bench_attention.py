@@ -59,6 +59,7 @@ SHAPES = [
     Shape("llm prefill gqa", 4, 32, 8, 2048, 128, True),
     Shape("llm prefill gqa", 4, 32, 8, 8192, 128, True),
     Shape("d64", 16, 16, 16, 4096, 64, False),
+    Shape("d96 llm prefill", 4, 32, 32, 4096, 96, True),  # Phi-3-mini: 32 heads of 96 channels
 ]
 QUICK_SHAPES = [SHAPES[i] for i in (0, 2, 5, 7, 8)]
 # Short names of the shapes that RESULTS.md's per-version rows time (op_time.py, kernel_times.py): A, B, C, G
@@ -66,6 +67,7 @@ QUICK_SHAPES = [SHAPES[i] for i in (0, 2, 5, 7, 8)]
 NAMED_SHAPES = {
     "A": SHAPES[0], "A4608": SHAPES[1], "B": SHAPES[2], "B32768": SHAPES[3], "C": SHAPES[4], "C8192": SHAPES[5],
     "G": SHAPES[6], "G8192": SHAPES[7], "D": SHAPES[8], "Dc": Shape("d64 causal", 4, 16, 16, 4096, 64, True),
+    "P96": SHAPES[9],
 }
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 METHODS = [*SDPA_BACKENDS, "int8"]

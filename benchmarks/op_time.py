@@ -3,7 +3,7 @@ compare between builds.
 
     python benchmarks/op_time.py [--dtype float16|bfloat16] [--tag NAME] [--min-seconds S] SHAPE [SHAPE ...]
 
-SHAPE is a key of bench_attention.NAMED_SHAPES (A, A4608, B, B32768, C, C8192, G, G8192, D, Dc). Timing and
+SHAPE is a key of bench_attention.NAMED_SHAPES (A, A4608, B, B32768, C, C8192, G, G8192, D, Dc, P96). Timing and
 accuracy are bench_attention's (rotating input sets larger than L2, a spin kernel ahead of each pass, median
 per-call time; cosine and relative L1 against float64 on a slice), without the SDPA baselines.
 
