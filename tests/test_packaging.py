@@ -104,6 +104,24 @@ def test_ops_module_names_the_built_namespace(ai8, namespace):
     assert ops_module.add_op_namespace_prefix("quantize_int8") == f"{namespace}::quantize_int8"
 
 
+# GPUs of compute capability 8.0 and newer by generation (what the README promises to run on).
+GPU_CAPABILITIES = {"A100": (8, 0), "A10 / RTX 3090": (8, 6), "Jetson Orin": (8, 7), "L40 / RTX 4090": (8, 9),
+                    "H100 / H200": (9, 0), "B200 / GB200": (10, 0), "B300": (10, 3), "RTX 5090": (12, 0),
+                    "DGX Spark (GB10)": (12, 1)}
+
+
+def test_every_gpu_generation_gets_kernel_code():
+    """SASS runs on later minors of its own major only, PTX JITs upwards only: each generation needs one of the two.
+    (The portable kernel's list; the build embeds the PTX of its highest entry, scripts/build_local.py.)"""
+    caps = BUILD_TOML["kernel"]["attention_int8"]["cuda-capabilities"]
+    sass = [tuple(int(x) for x in c.split(".")) for c in caps if c[-1].isdigit()]
+    ptx = max(sass)
+    for name, (major, minor) in GPU_CAPABILITIES.items():
+        assert any(m == major and n <= minor for m, n in sass) or ptx <= (major, minor), (
+            f"{name} (compute capability {major}.{minor}) has no SASS of its major and no PTX it can JIT: "
+            f"add {major}.0 to build.toml")
+
+
 def test_metadata(namespace):
     metadata = json.loads((BUILD_DIR / "metadata.json").read_text())
     caps = {c for k in BUILD_TOML["kernel"].values() for c in k["cuda-capabilities"]}
