@@ -242,27 +242,37 @@ def environment():
 
 
 def plot(rows, path):
+    """TFLOP/s against N, one panel per dtype: a colour per method, a marker per workload (its shapes joined by a
+    line in N). A method that did not run a shape leaves its point out."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         print("matplotlib is not installed: no plot")
         return None
     dtypes = sorted({row["dtype"] for row in rows}, reverse=True)  # float16 first
-    fig, axes = plt.subplots(len(dtypes), 1, figsize=(11, 4.5 * len(dtypes)), squeeze=False)
-    width = 0.8 / len(METHODS)
+    workloads = list(dict.fromkeys(f"{row['workload']}, D{row['d']}" for row in rows))
+    markers = dict(zip(workloads, "osD^vP*Xph"))
+    colors = {name: f"C{i}" for i, name in enumerate(METHODS)}
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(12, 5 * len(dtypes)), squeeze=False)
     for ax, dtype in zip(axes[:, 0], dtypes):
-        dtype_rows = [row for row in rows if row["dtype"] == dtype]
-        for i, name in enumerate(METHODS):
-            ax.bar([x + (i - (len(METHODS) - 1) / 2) * width for x in range(len(dtype_rows))],
-                   [row["results"][name].get("tflops", 0.0) for row in dtype_rows], width, label=name)
-        labels = [row["label"].replace(" N", "\nN").replace(" causal", "\ncausal") for row in dtype_rows]
-        ax.set_xticks(range(len(dtype_rows)), labels, fontsize=8)
-        ax.set(title=f"{dtype} forward (missing bar: method not available)", ylabel="TFLOP/s (matmul-equivalent)")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend()
+        for workload in workloads:
+            points = sorted((row for row in rows if row["dtype"] == dtype and f"{row['workload']}, D{row['d']}" == workload),
+                            key=lambda row: row["n"])
+            for name in METHODS:
+                xy = [(row["n"], row["results"][name]["tflops"]) for row in points if "tflops" in row["results"][name]]
+                if xy:
+                    ax.plot(*zip(*xy), color=colors[name], marker=markers[workload], linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"{dtype} forward, quantization included", xlabel="N (query and key tokens)",
+               ylabel="TFLOP/s (matmul-equivalent)")
+        ax.grid(alpha=0.3)
+        ax.legend(handles=[Line2D([], [], color=c, label=n) for n, c in colors.items()] +
+                  [Line2D([], [], color="gray", marker=m, linestyle="none", label=w) for w, m in markers.items()],
+                  fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
