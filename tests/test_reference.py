@@ -25,8 +25,12 @@ def _grid():
     """Every shape x head dim x dtype; heads, layout and input kind rotate so each value meets many others."""
     for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, (64, 96, 128), DTYPES)):
         hq, hkv = HEADS[i % len(HEADS)]
-        yield Case(heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, head_dim=d, is_causal=causal, dtype=dtype,
-                   layout=LAYOUTS[(i // 2) % 2], kind=("normal", "k_offset", "q_shift")[(i // 3) % 3])
+        # The bars are for whole outputs, and a few rows are too noisy a sample (_helpers.py): at least 32 query rows
+        # (cheap here). With 6 rows the q_shift case at N = 3 failed 2 of 200 draws, one with 12 rows failed on the
+        # device (2026-12-06), and 18 rows reached rel L1 0.0188 in 300 draws.
+        batch = math.ceil(32 / (hq * nq))
+        yield Case(batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, head_dim=d, is_causal=causal,
+                   dtype=dtype, layout=LAYOUTS[(i // 2) % 2], kind=("normal", "k_offset", "q_shift")[(i // 3) % 3])
 
 
 @pytest.mark.parametrize("case", list(_grid()), ids=str)
