@@ -4,6 +4,7 @@ Every loader runs in a fresh interpreter, so each one proves on its own that the
 (one process would load the library once and let a later loader ride on an earlier one).
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -112,10 +113,17 @@ GPU_CAPABILITIES = {"A100": (8, 0), "A10 / RTX 3090": (8, 6), "Jetson Orin": (8,
 
 def test_every_gpu_generation_gets_kernel_code():
     """SASS runs on later minors of its own major only, PTX JITs upwards only: each generation needs one of the two.
-    (The portable kernel's list; the build embeds the PTX of its highest entry, scripts/build_local.py.)"""
-    caps = BUILD_TOML["kernel"]["attention_int8"]["cuda-capabilities"]
-    sass = [tuple(int(x) for x in c.split(".")) for c in caps if c[-1].isdigit()]
-    ptx = max(sass)
+    The portable kernel's capabilities, and the PTX the build embeds for them (scripts/build_local.py)."""
+    spec = importlib.util.spec_from_file_location("build_local", ROOT / "scripts" / "build_local.py")
+    build_local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_local)
+    caps = build_local.Kernel("attention_int8", BUILD_TOML["kernel"]["attention_int8"]).capabilities
+
+    def version(cap):
+        return tuple(int(x) for x in cap.split("."))
+
+    sass = [version(c) for c in caps if c[-1].isdigit()]
+    ptx = version(build_local.ptx_capability(caps))
     for name, (major, minor) in GPU_CAPABILITIES.items():
         assert any(m == major and n <= minor for m, n in sass) or ptx <= (major, minor), (
             f"{name} (compute capability {major}.{minor}) has no SASS of its major and no PTX it can JIT: "
