@@ -254,18 +254,22 @@ def plot(rows, path):
         print("matplotlib is not installed: no plot")
         return None
     dtypes = sorted({row["dtype"] for row in rows}, reverse=True)  # float16 first
-    workloads = list(dict.fromkeys(f"{row['workload']}, D{row['d']}" for row in rows))
+
+    def workload(row):
+        return f"{row['workload']}, D{row['d']}"
+
+    workloads = list(dict.fromkeys(map(workload, rows)))
     markers = dict(zip(workloads, "osD^vP*Xph"))
     colors = {name: f"C{i}" for i, name in enumerate(METHODS)}
     fig, axes = plt.subplots(len(dtypes), 1, figsize=(12, 5 * len(dtypes)), squeeze=False)
     for ax, dtype in zip(axes[:, 0], dtypes):
-        for workload in workloads:
-            points = sorted((row for row in rows if row["dtype"] == dtype and f"{row['workload']}, D{row['d']}" == workload),
+        for key in workloads:
+            points = sorted((row for row in rows if row["dtype"] == dtype and workload(row) == key),
                             key=lambda row: row["n"])
             for name in METHODS:
                 xy = [(row["n"], row["results"][name]["tflops"]) for row in points if "tflops" in row["results"][name]]
                 if xy:
-                    ax.plot(*zip(*xy), color=colors[name], marker=markers[workload], linewidth=1)
+                    ax.plot(*zip(*xy), color=colors[name], marker=markers[key], linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set(title=f"{dtype} forward, quantization included", xlabel="N (query and key tokens)",
                ylabel="TFLOP/s (matmul-equivalent)")

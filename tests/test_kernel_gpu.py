@@ -95,8 +95,8 @@ def _strided(x_hnd, view):
 
 
 @pytest.mark.parametrize("view", ["fused_qkv", "seq_slice", "misaligned", "last_dim", "expanded_kv_heads"])
-@pytest.mark.parametrize("head_dim, kernel",
-                         [(64, "auto"), (64, "portable"), (96, "auto"), (96, "portable"), (128, "auto"), (128, "portable")])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_views(ai8, monkeypatch, view, head_dim, kernel, dtype):
     select_kernel(monkeypatch, kernel)
