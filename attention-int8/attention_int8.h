@@ -75,6 +75,9 @@ struct QuantizeParams {
   // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): K's
   // centre's, whose output is `mean`.
   bool programmatic_launch;
+  // The device's SM count under programmatic launch, else 0: then each block also asks L2 for the rows of
+  // the block one wave later (quantize.cu, prefetch_block_ahead).
+  int sm_count;
 };
 
 // Division by a divisor fixed at launch, for the CTA-index decode that runs ahead of a CTA's first loads: for

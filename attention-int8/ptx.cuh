@@ -37,6 +37,14 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// Asks L2 to fetch the `bytes` bytes at x (16-byte aligned, a multiple of 16) through the bulk copy engine
+// (sm_90+; a no-op before): a hint, with nothing to wait for and no register or shared memory held.
+__device__ __forceinline__ void prefetch_l2(const void* x, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(x), "r"(bytes) : "memory");
+#endif
+}
+
 // op over the 4 lanes of the thread's quad (xor shuffles 1, then 2), which together hold the rows of an mma
 // accumulator or fragment (the layouts above; wgmma's are the same per warp). The array form interleaves its
 // values' shuffles, so none waits on another's.

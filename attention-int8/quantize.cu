@@ -224,6 +224,25 @@ __device__ __forceinline__ void store_scale(const QuantizeParams& p, const RowCh
       quant::scale_of(__uint_as_float(amax_bits), p.out_scale, amax_bits < quant::kInfBits);
 }
 
+// While K's centre is computed (programmatic launch), the blocks of the first wave have loaded their rows and
+// wait, and HBM is mostly idle: thread 0 asks L2 for the rows of the block one wave later, so that block reads
+// them from L2 once the centre is there. One bulk prefetch of a block's rows, so only where they are one
+// contiguous range (rows of exactly D elements, 16-byte aligned).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bool aligned) {
+  constexpr int kRows = QuantRowShape<kHeadDim>::kRowsPerBlock;
+  if (p.sm_count == 0 || threadIdx.x != 0 || !aligned || p.x_view.row_stride != kHeadDim) return;
+  // Blocks start in linear order, x fastest: that order's block one wave (the blocks all SMs hold at once)
+  // later. 32 bits hold the index: a block is 64 rows of at least 128 bytes, so 2^32 of them would be 32 TiB.
+  const uint32_t per_batch = gridDim.x * gridDim.y;
+  const uint32_t ahead = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + p.sm_count * kQuantBlocksPerSm;
+  if (ahead >= per_batch * gridDim.z) return;
+  const uint32_t in_batch = ahead % per_batch;
+  const int b = ahead / per_batch, h = in_batch / gridDim.x, n = (in_batch % gridDim.x) * kRows;
+  const int rows = min(kRows, p.seqlen - n);
+  if (rows > 0) ptx::prefetch_l2(chunk_ptr<Elem>(p.x, p.x_view, b, h, n, 0), rows * kHeadDim * sizeof(Elem));
+}
+
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
 // memory-bound kernel needs those bytes in flight, and it keeps them as raw 16-byte chunks (4 registers a
 // row, against 8 as fp32). The rows are the user's input, so they load before the wait for the
@@ -237,13 +256,15 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) rows[it] = locate<kHeadDim, kPartial>(p, first_n + it * Shape::kRowsPerWarp, chunk);
-  if (rows_aligned<Elem>(p.x, p.x_view)) {
+  const bool aligned = rows_aligned<Elem>(p.x, p.x_view);
+  if (aligned) {
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) load_chunk<true>(p, rows[it], chunk, e8[it]);
   } else {
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) load_chunk<false>(p, rows[it], chunk, e8[it]);
   }
+  prefetch_block_ahead<kHeadDim, Elem>(p, aligned);
   ptx::wait_for_predecessor();  // K's centre (a no-op unless launched as its dependent)
   float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
   if (chunk < Shape::kChunks) {
