@@ -75,8 +75,8 @@ struct QuantizeParams {
   // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): K's
   // centre's, whose output is `mean`.
   bool programmatic_launch;
-  // The device's SM count under programmatic launch, else 0: then each block also asks L2 for the rows of
-  // the block one wave later (quantize.cu, prefetch_block_ahead).
+  // The device's SM count: under programmatic launch each block also asks L2 for the rows of the block one
+  // wave later (quantize.cu, prefetch_block_ahead).
   int sm_count;
 };
 

@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_scale(const QuantizeParams& p, const RowCh
 template <int kHeadDim, typename Elem>
 __device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bool aligned) {
   constexpr int kRows = QuantRowShape<kHeadDim>::kRowsPerBlock;
-  if (p.sm_count == 0 || threadIdx.x != 0 || !aligned || p.x_view.row_stride != kHeadDim) return;
+  if (!p.programmatic_launch || threadIdx.x != 0 || !aligned || p.x_view.row_stride != kHeadDim) return;
   // Blocks start in linear order, x fastest: that order's block one wave (the blocks all SMs hold at once)
   // later. 32 bits hold the index: a block is 64 rows of at least 128 bytes, so 2^32 of them would be 32 TiB.
   const uint32_t per_batch = gridDim.x * gridDim.y;

@@ -176,7 +176,7 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.dtype = elem_type_of(x);
   params.sm90_layout = sm90_layout;
   params.programmatic_launch = programmatic_launch;
-  params.sm_count = programmatic_launch ? at::cuda::getCurrentDeviceProperties()->multiProcessorCount : 0;
+  params.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   check_cuda(ai8::launch_quantize(params, stream), "launching quantize");
   return out;
 }
