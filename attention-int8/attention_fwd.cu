@@ -9,11 +9,11 @@
 // the logit times log2(e) and exp2 replaces exp):
 //   m_new = max(m, max_j S_j)            alpha = 2^(m - m_new)
 //   P_j   = 2^(S_j - m_new)              l = alpha * l + sum_j P_j        O = alpha * O + P V
-// and finally O / l, LSE = (m + log2 l) * ln 2. A row that has seen no key keeps m = -inf; the
-// exponent base is then taken as 0 so that 2^(-inf - base) = 0 instead of NaN.
+// and finally O / l and the LSE (attention_common.cuh has the rules both kernels share).
 #include <cmath>
 #include <cstdint>
 
+#include "attention_common.cuh"
 #include "attention_int8.h"
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
@@ -22,8 +22,6 @@
 
 namespace attention_int8 {
 namespace {
-
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Copies a kRows x kRowBytes tile from global memory (row pitch `gmem_pitch` bytes) into shared
 // memory (row pitch kSmemPitch) in 16-byte cp.async chunks. Rows >= valid_rows are zero-filled:
@@ -92,10 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
   const Elem* v_head = static_cast<const Elem*>(p.v) + batch * p.v_view.batch_stride + head_kv * p.v_view.head_stride;
 
   // Keys this CTA must visit: all of them, or under the causal mask up to the last key its last row sees.
-  const int causal_offset = p.seqlen_kv - p.seqlen_q;  // query i sees key j iff j <= i + causal_offset
-  int n_end = p.seqlen_kv;
-  if (p.causal) n_end = max(0, min(n_end, min(m0 + BM, p.seqlen_q) + causal_offset));
-  const int n_blocks = (n_end + BN - 1) / BN;
+  const int n_blocks = visible_key_blocks(p, m0 + BM, BN);
 
   // Prologue: Q tile (group 0) and the first K/V tile (group 1) in flight together.
   load_tile_async<BM, D, Traits::kQKRowBytes, T>(smem.q, reinterpret_cast<const char*>(q_tile), D, BM, tid);
@@ -190,7 +185,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
     // Mask keys past the end and, under the causal mask, keys after the row's diagonal. Only tiles
     // that cross either boundary pay for it.
     const int n0 = n_block * BN;
-    if (n0 + BN > p.seqlen_kv || (p.causal && n0 + BN - 1 > m0 + causal_offset)) {
+    if (keys_need_mask(p, n0, BN, m0)) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -199,7 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
           for (int e = 0; e < 4; ++e) {
             const int col = n0 + t * 8 + 2 * tig + (e % 2);
             const int row = m0 + row_in_tile[mt][e / 2];
-            if (col >= p.seqlen_kv || (p.causal && col > row + causal_offset)) s[mt][t][e] = -INFINITY;
+            if (key_hidden(p, col, row)) s[mt][t][e] = -INFINITY;
           }
     }
 
@@ -214,8 +209,8 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
           tile_max = fmaxf(tile_max, fmaxf(s[mt][t][2 * r], s[mt][t][2 * r + 1]));
         tile_max = ptx::quad_reduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
         const float m_new = fmaxf(row_max[mt][r], tile_max);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = ptx::exp2_approx(row_max[mt][r] - base);
+        const float base = exponent_base(m_new);
+        const float alpha = rescale_factor(row_max[mt][r], base);
         row_max[mt][r] = m_new;
         row_sum[mt][r] *= alpha;
 #pragma unroll
@@ -269,8 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = ptx::quad_reduce(row_sum[mt][r], [](float a, float b) { return a + b; });
-      // A row with no visible key has sum 0 and writes zeros; a NaN sum stays NaN.
-      const float inv_sum = sum == 0.f ? 0.f : 1.f / sum;
+      const float inv_sum = inverse_row_sum(sum);
       const int row = m0 + row_in_tile[mt][r];
       if (row >= p.seqlen_q) continue;
       Elem* o_row = o_head + int64_t(row) * p.o_view.row_stride;
@@ -279,22 +273,22 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
         *reinterpret_cast<uint32_t*>(o_row + t * 8 + 2 * tig) =
             ptx::pack2<Elem>(o_acc[mt][t][2 * r] * inv_sum, o_acc[mt][t][2 * r + 1] * inv_sum);
       }
-      if (p.lse != nullptr && tig == 0)
-        p.lse[bh_q * p.seqlen_q + row] = sum == 0.f ? -INFINITY : (row_max[mt][r] + log2f(sum)) * kLn2;
+      if (p.lse != nullptr && tig == 0) {
+        const float shift = p.q_center_dot != nullptr ? p.sm_scale * p.q_center_dot[bh_q * p.seqlen_q_pad + row] : 0.f;
+        p.lse[bh_q * p.seqlen_q + row] = natural_lse(row_max[mt][r], sum, shift);
+      }
     }
 }
 
 }  // namespace
 
-cudaError_t launch_attention_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.seqlen_q == 0 || p.batch == 0 || p.heads_q == 0) return cudaSuccess;
-  if (p.sm90) return launch_attention_forward_sm90(p, stream);
-  return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-    return dispatch_elem(p.dtype, [&](auto elem) {
-      using Traits = AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>;
-      const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
-      return launch_attention_kernel<Traits>(attention_fwd_kernel<Traits>, grid, p, stream);
-    });
+// Query blocks are the fastest grid index, so the CTAs running at one time share one or two heads, whose K and V
+// stay in L2.
+cudaError_t launch_attention_forward_portable(const AttentionParams& p, cudaStream_t stream) {
+  return dispatch_portable_traits(p, [&](auto traits) {
+    using Traits = decltype(traits);
+    const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
+    return launch_attention_kernel<Traits>(attention_fwd_kernel<Traits>, grid, p, stream);
   });
 }
 

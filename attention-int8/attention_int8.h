@@ -28,10 +28,12 @@ __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a
 
 constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
 
-// The Hopper kernel (wgmma, built for sm_90a) serves every supported head_dim on compute capability 9.0;
-// everything else takes the portable kernel.
-constexpr bool sm90_kernel_supported(int cc_major, int cc_minor, int head_dim) {
-  return cc_major == 9 && cc_minor == 0 && head_dim_supported(head_dim);
+// Which attention kernel runs, decided here alone: the Hopper kernel (wgmma, built for sm_90a) on compute
+// capability 9.0 for every supported head dim, the portable kernel everywhere else and whenever force_portable is
+// set (the tests' hook to hold both kernels to the reference on one GPU).
+enum class AttentionKernel { kPortable, kSm90 };
+constexpr AttentionKernel choose_attention_kernel(int cc_major, int cc_minor, bool force_portable) {
+  return cc_major == 9 && cc_minor == 0 && !force_portable ? AttentionKernel::kSm90 : AttentionKernel::kPortable;
 }
 
 // The Hopper kernel's INT8 rows (K's workspace, Q's shared-memory tile) are one 64- or 128-byte swizzle row, so
@@ -82,7 +84,7 @@ struct QuantizeParams {
 
 // Division by a divisor fixed at launch, for the CTA-index decode that runs ahead of a CTA's first loads: for
 // 0 <= n < 2^31, n / divisor = (umulhi(n, multiplier) + n) >> shift (round-up reciprocal; the device side is
-// fast_div in attention_fwd_sm90.cu). A run-time integer division is ~20 dependent instructions, a 64-bit one
+// fast_div in sm90_tile_scheduler.cuh). A run-time integer division is ~20 dependent instructions, a 64-bit one
 // a subroutine call.
 struct FastDivisor {
   uint32_t divisor = 1, multiplier = 1, shift = 0;
@@ -159,13 +161,16 @@ struct AttentionParams {
   void* o;                // rows 16-byte aligned (the binding allocates O dense)
   RowMajorView o_view;
   float* lse;             // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
-  // sm90, with lse: K's centre [B, Hkv, D] fp32 when K was smoothed (else nullptr); the kernel adds
-  // the shift sm_scale * (q_i . k_center) that smoothing took out of row i's logits back to its LSE.
+  // With lse and a smoothed K, both kernels' epilogues add the shift sm_scale * (q_i . k_center) that smoothing
+  // took out of row i's logits back to its LSE. The sm90 kernel dots its raw Q rows with K's centre k_center
+  // ([B, Hkv, D] fp32); the portable kernel reads q_center_dot ([B, Hq, seqlen_q_pad] fp32, the Q quantizer's
+  // row_dot). Both nullptr otherwise.
   const float* k_center;
+  const float* q_center_dot;
   float sm_scale;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
-  bool sm90;              // K quantized with sm90_layout, Q in q_input: run the Hopper kernel
+  AttentionKernel kernel;  // kSm90: K quantized with sm90_layout, Q in q_input
   TileSchedule schedule;  // sm90: tile_schedule_sm90 for these params
   float* o_partial;       // [schedule.partial_rows(), head_dim] fp32, when schedule.split_tiles > 0
   SplitRowStats* row_stats;  // [schedule.partial_rows()]
@@ -208,8 +213,9 @@ __host__ __device__ constexpr int64_t center_sample_key(int64_t i, int64_t seqle
 
 cudaError_t launch_key_center(const KeyCenterParams& params, cudaStream_t stream);
 cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
-// Runs the sm90 kernel when params.sm90 is set (see sm90_kernel_supported), else the portable one.
+// Runs params.kernel (choose_attention_kernel); the two below are its cases.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
+cudaError_t launch_attention_forward_portable(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 // The sm90 kernel's grid for `params` (its shape fields set) on a GPU of sm_count SMs and l2_bytes of L2: splits
 // only the last, partial wave, unless forced_splits > 0 splits every tile that many ways (a test hook; capped by

@@ -1,5 +1,5 @@
-// Run-time -> compile-time dispatch shared by the launchers: head dim and element type become
-// template arguments, so every kernel sees its shapes as constants.
+// The dispatch layer: run-time head dim, element type and masking become each kernel's traits (kernel_traits.cuh),
+// so every kernel sees its shapes as constants; and the launch helpers both kernels share.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "attention_int8.h"
+#include "kernel_traits.cuh"
 
 namespace attention_int8 {
 
@@ -48,11 +49,35 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// The portable kernel's traits for p: f(Traits{}).
+template <typename F>
+cudaError_t dispatch_portable_traits(const AttentionParams& p, F&& f) {
+  return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    return dispatch_elem(p.dtype, [&](auto elem) {
+      return f(AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>{});
+    });
+  });
+}
+
+// The Hopper kernel's traits for p: f(Traits{}). The consumers take turns issuing their wgmmas only at D' = 128
+// without the causal mask (Sm90AttentionKernelTraits::kTakeTurns says why).
+template <typename F>
+cudaError_t dispatch_sm90_traits(const AttentionParams& p, F&& f) {
+  return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    return dispatch_elem(p.dtype, [&](auto elem) {
+      constexpr int D = decltype(head_dim)::value;
+      using Elem = decltype(elem);
+      if constexpr (Sm90AttentionKernelTraits<D, Elem>::kMmaDim == 128) {
+        if (!p.causal) return f(Sm90AttentionKernelTraits<D, Elem, /*kTakeTurns=*/true>{});
+      }
+      return f(Sm90AttentionKernelTraits<D, Elem>{});
+    });
+  });
+}
+
 // Launches an attention kernel over `grid` with the dynamic shared memory its traits ask for (above 48 KB only
-// after cudaFuncSetAttribute raises the kernel's limit). Both kernels take query blocks as the fastest index, so
-// the CTAs running at one time share one or two heads, whose K and V stay in L2 (a persistent variant of the
-// Hopper kernel that took heads fastest was 8-13% slower at N >= 8192: benchmarks/RESULTS.md, v18).
-// `extra` are further kernel arguments after the params (the sm90 kernel's TMA descriptor).
+// after cudaFuncSetAttribute raises the kernel's limit). `extra` are further kernel arguments after the params
+// (the sm90 kernel's TMA descriptor).
 template <typename Traits, typename Kernel, typename... Extra>
 cudaError_t launch_attention_kernel(Kernel kernel, dim3 grid, const AttentionParams& p, cudaStream_t stream,
                                     const Extra&... extra) {

@@ -459,7 +459,6 @@ cudaError_t launch_key_center(const KeyCenterParams& p, cudaStream_t stream) {
 
 cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
-  if (p.sm90_layout && !sm90_kernel_supported(9, 0, p.head_dim)) return cudaErrorInvalidValue;
   if (p.tokens_per_scale != 1 && p.tokens_per_scale != kKeyScaleTokens) return cudaErrorInvalidValue;
   if (p.tokens_per_scale != 1 && p.dot_vec != nullptr) return cudaErrorInvalidValue;  // row_dot is per token
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y

@@ -24,6 +24,10 @@
 namespace attention_int8 {
 namespace wgmma {
 
+// Accumulator register i of an m64nN fragment (the layout above): which of the thread's two rows, and its column.
+__device__ __forceinline__ constexpr int accumulator_row(int i) { return (i / 2) % 2; }
+__device__ __forceinline__ int accumulator_col(int i) { return 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i % 2); }
+
 // Matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, LBO and SBO in 16-byte
 // units, and the swizzle mode in bits 62-63 (1 = 128 B, 2 = 64 B).
 template <int kSwizzleBytes>

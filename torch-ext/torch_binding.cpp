@@ -87,10 +87,10 @@ Capability checked_capability(const at::Tensor& t) {
 
 // ATTENTION_INT8_FORCE_PORTABLE=1 routes every call to the portable mma.sync kernel, so the tests can
 // hold both kernels to the reference on a Hopper GPU. Read per call: no global state.
-bool use_sm90_kernel(Capability cc, int64_t head_dim) {
+ai8::AttentionKernel attention_kernel_for(Capability cc) {
   const char* force_portable = std::getenv("ATTENTION_INT8_FORCE_PORTABLE");
-  if (force_portable != nullptr && std::string_view(force_portable) == "1") return false;
-  return ai8::sm90_kernel_supported(cc.major, cc.minor, static_cast<int>(head_dim));
+  return ai8::choose_attention_kernel(cc.major, cc.minor,
+                                      force_portable != nullptr && std::string_view(force_portable) == "1");
 }
 
 // ATTENTION_INT8_KV_SPLITS=n (n >= 1, read per call) makes the Hopper kernel split every non-causal tile's keys
@@ -229,7 +229,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   if (out.numel() == 0) return {out, lse};
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool sm90 = use_sm90_kernel(cc, sq.head_dim);
+  const ai8::AttentionKernel kernel = attention_kernel_for(cc);
+  const bool sm90 = kernel == ai8::AttentionKernel::kSm90;
   const int kv_splits = forced_kv_splits();  // checked on every GPU, though only the sm90 kernel splits
   // Copies (if any) first: on Hopper the kernels after K's centre start under their predecessor's tail
   // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
@@ -240,8 +241,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   std::optional<at::Tensor> k_center;
   if (smooth_k && sk.seqlen > 0) k_center = compute_key_center(k, layout, stream);
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
-  // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back
-  // (the sm90 kernel does it itself, the portable path from the quantizer's row_dot).
+  // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back (each
+  // kernel's epilogue does, from the inputs AttentionParams names).
   const bool lse_shift = with_lse && k_center.has_value();
   const double q_out_scale = scale * kLog2e;
   const QuantizedRows k_q = quantize(k, layout, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
@@ -254,14 +255,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     params.q_view = view_of(q_rows, layout);
     params.q_out_scale = static_cast<float>(q_out_scale);
     params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
-    params.sm_scale = static_cast<float>(scale);
   } else {
     q_q = quantize(q, layout, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream,
                    lse_shift ? k_center : std::nullopt);
     params.q = q_q.values.data_ptr<int8_t>();
     params.q_scale = q_q.scales.data_ptr<float>();
+    params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
     params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
   }
+  params.sm_scale = static_cast<float>(scale);
   params.k = k_q.values.data_ptr<int8_t>();
   params.k_scale = k_q.scales.data_ptr<float>();
   params.v = v_rows.data_ptr();
@@ -277,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
   params.head_dim = static_cast<int>(sq.head_dim);
   params.causal = is_causal;
-  params.sm90 = sm90;
+  params.kernel = kernel;
   // The K quantizer ran just before (its launch is skipped only without keys).
   params.programmatic_launch = sm90 && sk.seqlen > 0;
   params.dtype = elem_type_of(q);
@@ -295,7 +297,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     }
   }
   check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
-  if (lse_shift && !sm90) lse.add_(q_q.row_dot.narrow(2, 0, sq.seqlen), scale);
   return {out, lse};
 }
 
