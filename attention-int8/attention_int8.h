@@ -132,7 +132,7 @@ struct TileSchedule {
   __host__ __device__ int block_row0(int m_block) const { return m_block * block_m - row_shift; }
   // Under the causal mask the query blocks end at seqlen_q: row_shift is the rows seqlen_q leaves empty in its last
   // block, in whole groups of group_rows (a consumer's), so the block whose consumers partly have no rows is block 0,
-  // which sees 1-3 key tiles, rather than the last, which sees all of them (benchmarks/RESULTS.md, v70). Without the
+  // which sees 1-3 key tiles, rather than the last, which sees all of them. Without the
   // mask every block sees the same keys and row_shift is 0.
   static constexpr int row_shift_of(bool causal, int seqlen_q, int block_m, int group_rows) {
     return causal ? int(ceil_div(seqlen_q, block_m) * block_m - seqlen_q) / group_rows * group_rows : 0;
@@ -180,7 +180,7 @@ struct AttentionParams {
 
 // K's smoothing centre, center[b, h, :]: the mean of a sample of K's rows (keys) without the sample's outliers.
 // Any vector subtracted from every key shifts each logit row by a constant, so only K's INT8 range depends
-// on the centre; the token mean would do, but it is a pass over all of K (~8% of the op at causal N = 2048).
+// on the centre; the token mean would do, but it is a whole extra pass over K.
 // - The sample: every key up to kCenterSampleKeys, else one in each stratum of seqlen / kCenterSampleKeys keys
 //   at a hashed offset (center_sample_key; a fixed stride can alias with periodic structure such as the
 //   rows of an image's tokens).

@@ -8,8 +8,8 @@
 
 namespace attention_int8 {
 
-// Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp measured fastest on the H200 for every
-// head dim; 32-key tiles keep the D = 96/128 accumulators in registers (benchmarks/RESULTS.md, v2).
+// Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp, the fastest measured for every head dim
+// (docs/DESIGN.md, rationale); 32-key tiles keep the D = 96/128 accumulators in registers.
 template <int kHeadDim_, typename Elem_, int kMTiles_ = 2, int kBlockN_ = (kHeadDim_ <= 64 ? 64 : 32)>
 struct AttentionKernelTraits {
   using Elem = Elem_;  // __half or __nv_bfloat16: V, P and O
@@ -66,8 +66,7 @@ struct AttentionKernelTraits {
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
 // one warp per other consumer. At D = 128 three consumers (160 registers a thread) fit 64-key S and P tiles
 // next to O. At D = 64, whose wgmmas are half as long and whose O is half the size, a fourth consumer (112
-// registers) keeps one more softmax in flight: op time -7% (benchmarks/RESULTS.md, v50; before v43 moved Q to
-// shared memory, four were 16-20% slower, v27).
+// registers) keeps one more softmax in flight (docs/DESIGN.md, rationale).
 template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3),
           int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
@@ -98,9 +97,8 @@ struct Sm90AttentionKernelTraits {
   static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kLaunchRegs * kThreads, "claims exceed the pool");
   static constexpr int kStages = kStages_;
   // Whether the consumers take turns issuing their wgmmas; the launcher sets it at kMmaDim = 128 (D = 96, 128)
-  // without the causal mask only. Measured both ways (op time, benchmarks/RESULTS.md v44, v71): turns are 2% faster at D = 128
-  // without the mask; under it the consumers' tile counts differ and the turns cost 1-2.5%; at D = 64 they cost
-  // 3-4%, its shorter matrix products leaving less for a waiting consumer to hide behind.
+  // without the causal mask only: under the mask the consumers' tile counts differ, and at D = 64 the shorter
+  // matrix products leave less for a waiting consumer to hide behind (docs/DESIGN.md, rationale).
   static constexpr bool kTakeTurns = kTakeTurns_;
   static_assert(!kTakeTurns || kMmaDim == 128, "turns are measured slower at D = 64");
 

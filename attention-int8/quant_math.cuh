@@ -61,8 +61,7 @@ __device__ __forceinline__ float scale_of(float amax, float out_scale, bool fini
 // significant bits (a relative change below 2^-21): S * logit_scale is the base-2 logit (Q's scale
 // carries sm_scale * log2(e)). 22 bits times the 2-bit 1.5 * 2^23 of ptx::SmallIntScale are exact
 // in fp32, which the kernels' one-FMA dequantization needs. Truncation is one instruction a row and key
-// tile (rounding took three, and the Hopper step does this twice: op time -1.5%, benchmarks/RESULTS.md
-// v53). Infinity stays infinity, and a NaN product stays NaN: the GPU's NaN 0x7fffffff keeps mantissa bits.
+// tile where rounding takes three. Infinity stays infinity, and a NaN product stays NaN: the GPU's NaN 0x7fffffff keeps mantissa bits.
 __device__ __forceinline__ float logit_scale(float q_scale, float k_scale) {
   return __uint_as_float(__float_as_uint(q_scale * k_scale) & ~3u);
 }
