@@ -96,7 +96,8 @@ def metadata_archs(kernels: list[Kernel]) -> list[str]:
 
 def kernels_minver() -> str:
     """The oldest kernels library the build supports: requirements-dev.txt's pin, the one home of that number."""
-    pins = re.findall(r"^kernels(?:\[[\w,]+\])?>=([\d.]+)\s*$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE)
+    requirements = (ROOT / "requirements-dev.txt").read_text()
+    pins = re.findall(r"^kernels(?:\[[\w,]+\])?>=([\d.]+)\s*$", requirements, re.MULTILINE)
     if len(pins) != 1:
         sys.exit("requirements-dev.txt must pin the kernels library as one `kernels>=X.Y.Z` line")
     return pins[0]

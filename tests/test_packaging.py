@@ -119,7 +119,8 @@ def test_local_build_reads_the_capabilities_and_ptx_from_build_toml():
     build_local = load_build_local()
     config = build_local.Config(ROOT / "build.toml")
     assert {k.name: k.capabilities for k in config.kernels} == {
-        name: sorted(section["cuda-capabilities"], key=build_local._cap_key) for name, section in BUILD_TOML["kernel"].items()}
+        name: sorted(section["cuda-capabilities"], key=build_local._cap_key)
+        for name, section in BUILD_TOML["kernel"].items()}
     portable = next(k for k in config.kernels if k.name == "attention_int8")
     flags = build_local.gencode_flags(portable.capabilities)
     assert [f for f in flags if "code=compute_" in f] == ["-gencode=arch=compute_120,code=compute_120"]
@@ -260,7 +261,8 @@ def test_get_local_kernel_loads_without_warnings(namespace):
     """Loading through get_local_kernel verifies the digest and emits no warning (a missing digest, a dirty
     provenance or an unknown metadata field would each log one)."""
     pytest.importorskip("kernels", reason="the kernels package is not installed")
-    code = STRICT + f"import kernels, pathlib\nns = kernels.get_local_kernel(pathlib.Path({str(ROOT / 'build')!r})).__name__\n"
+    build = ROOT / "build"
+    code = STRICT + f"import kernels, pathlib\nns = kernels.get_local_kernel(pathlib.Path({str(build)!r})).__name__\n"
     result = run_python(code + DUMP_SCHEMAS)
     assert result.stderr == "", result.stderr
     check_schemas(json.loads(result.stdout), namespace)
