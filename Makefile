@@ -2,9 +2,10 @@
 #
 #   make / make run   set up, build, then (with a GPU) run the example model and the quick benchmark
 #   make build        build/<variant>/attention_int8 with kernel-builder (Nix) if present, else nvcc
-#   make test         set up, build, run the test suite (GPU tests skip without a GPU)
+#   make test         set up, build, run the test suite (GPU tests skip without a GPU, each with its reason)
 #   make check-abi    build, then kernel-abi-check the .so (Python 3.9 stable ABI)
 #   make bench        the full benchmark (GPU)
+#   make hub-bench    benchmarks/benchmark*.py through `kernels benchmark` on this build (GPU)
 #   make clean        remove build/ (`make distclean` also removes the .venv)
 #
 # Variables: PYTHON (default: python3 when it already has CUDA torch, pytest and numpy, as on a GPU
@@ -30,7 +31,10 @@ HAVE_NIX := $(shell $(NIX_ENV) command -v nix >/dev/null 2>&1 && echo yes)
 
 HAVE_GPU = $(PYTHON) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'
 
-.PHONY: run setup build test check-abi bench clean distclean
+# The kernels command line of the interpreter's environment (.venv/bin/kernels), else the one on PATH.
+KERNELS_CLI ?= $(firstword $(wildcard $(dir $(PYTHON))kernels) kernels)
+
+.PHONY: run setup build test check-abi bench hub-bench clean distclean
 
 run: build
 	@if $(HAVE_GPU); then \
@@ -56,13 +60,16 @@ else
 endif
 
 test: build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -rs tests
 
 check-abi: build
 	$(PYTHON) scripts/check_abi.py
 
 bench: build
 	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
+
+hub-bench: build
+	$(KERNELS_CLI) benchmark .
 
 clean:
 	rm -rf build

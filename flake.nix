@@ -9,9 +9,10 @@
     ];
   };
 
-  # `nix flake lock` pins this in flake.lock; `nix flake update` moves to a newer builder.
+  # kernel-builder at a fixed commit of huggingface/kernels (one that reads build.toml edition 6); flake.lock
+  # pins it and its own inputs by hash. To move to a newer builder, change the commit and re-run `nix flake lock`.
   inputs = {
-    kernel-builder.url = "github:huggingface/kernels";
+    kernel-builder.url = "github:huggingface/kernels/03dd3532d47037340a77a5bf23684d6d0394b73d";
   };
 
   outputs =

@@ -2,10 +2,11 @@
 
 Reads the sources and CUDA capabilities from build.toml (the file kernel-builder reads), compiles the
 .cu files and the torch binding in parallel with warnings as errors, links the abi3 extension and
-assembles
-    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/metadata.json
-    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/attention_int8/{*.py, _ops.py, _attention_int8_cuda_<rev>.abi3.so}
-which `kernels.get_local_kernel(Path("build"))` and `torch.ops.load_library` both load.
+assembles the variant directory as kernel-builder lays it out:
+    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/{metadata.json, *.py, _ops.py, _attention_int8_cuda_<rev>.abi3.so}
+    build/torch<XY>-cxx11-cu<ZZ>-<arch>-<os>/attention_int8/__init__.py   (the compatibility package)
+which `kernels.get_local_kernel(Path("build"))` and `torch.ops.load_library` both load. metadata.json records
+the digest of every file, as `kernel-builder hash` writes it, so the loader can verify the build.
 
 Environment: CUDA_CAPABILITIES="9.0 12.0" builds a subset (quick device builds), MAX_JOBS caps the
 parallel compiles, CUDA_HOME (default /usr/local/cuda) picks the toolkit, HOST_CXX the host
@@ -13,6 +14,7 @@ compiler (default g++: see host_cxx). `--import-check` only imports the built pa
 """
 
 import argparse
+import base64
 import concurrent.futures
 import hashlib
 import importlib.util
@@ -32,10 +34,11 @@ import torch
 TORCH_DIR = pathlib.Path(torch.__file__).parent
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
+PTX = "+PTX"  # build.toml's marker of a capability whose PTX is embedded next to its SASS
 
 
 class Kernel:
-    """One [kernel.<name>] section with the CUDA backend."""
+    """One [kernel.<name>] section in C++/CUDA; capabilities as written, e.g. "9.0a" or "12.0+PTX"."""
 
     def __init__(self, name: str, section: dict):
         self.name = name
@@ -55,46 +58,65 @@ class Config:
         self.version = general["version"]
         self.license = general["license"]
         self.torch_src = [ROOT / s for s in toml["torch"]["src"]]
-        self.kernels = [Kernel(n, k) for n, k in toml.get("kernel", {}).items() if k["backend"] == "cuda"]
+        self.kernels = [Kernel(n, k) for n, k in toml.get("kernel", {}).items() if k["language"] == "cpp-cuda"]
 
 
 def _cap_key(cap: str) -> tuple[int, int, str]:
     """Orders "8.0" < "9.0" < "9.0a" < "12.0"; a/f suffixes are arch- and family-specific targets."""
-    major, minor = cap.rstrip("af").split(".")
-    return int(major), int(minor), cap[len(cap.rstrip("af")):]
+    target = cap.removesuffix(PTX)
+    major, minor = target.rstrip("af").split(".")
+    return int(major), int(minor), cap[len(target.rstrip("af")):]
 
 
 def capabilities(kernel: Kernel) -> list[str]:
-    """The kernel's capabilities, narrowed by CUDA_CAPABILITIES="9.0 12.0" (which also selects 9.0a).
+    """The kernel's capabilities, narrowed by CUDA_CAPABILITIES="9.0 12.0" (which also selects 9.0a and 12.0+PTX).
 
     A kernel the override leaves without any (e.g. a Hopper-only one) keeps its own: its launchers
     must still link, and the binding only calls them on GPUs they were built for.
     """
     wanted = set(os.environ.get("CUDA_CAPABILITIES", "").replace(",", " ").replace(";", " ").split())
-    return [c for c in kernel.capabilities if c.rstrip("af") in wanted] or kernel.capabilities
-
-
-def ptx_capability(caps: list[str]) -> str | None:
-    """The highest portable capability: its PTX is embedded too, so newer GPUs can JIT it."""
-    portable = [c for c in caps if c[-1].isdigit()]  # 9.0a/10.0f code runs on that arch (family) only
-    return portable[-1] if portable else None
+    return [c for c in kernel.capabilities if c.removesuffix(PTX).rstrip("af") in wanted] or kernel.capabilities
 
 
 def gencode_flags(caps: list[str]) -> list[str]:
-    """SASS for every capability, plus the PTX of ptx_capability()."""
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (c.replace(".", "") for c in caps)]
-    if ptx := ptx_capability(caps):
-        flags.append(f"-gencode=arch=compute_{ptx.replace('.', '')},code=compute_{ptx.replace('.', '')}")
+    """SASS for every capability, and PTX for the "+PTX" ones, as kernel-builder compiles them."""
+    flags = []
+    for cap in caps:
+        arch = cap.removesuffix(PTX).replace(".", "")
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        if cap.endswith(PTX):
+            flags.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
     return flags
 
 
 def metadata_archs(kernels: list[Kernel]) -> list[str]:
-    """Every compiled capability, "+PTX" where PTX is embedded too (the kernels library's notation)."""
-    archs = set()
-    for kernel in kernels:
-        caps = capabilities(kernel)
-        archs |= {c + "+PTX" if c == ptx_capability(caps) else c for c in caps}
-    return sorted({a for a in archs if a + "+PTX" not in archs}, key=lambda a: _cap_key(a.removesuffix("+PTX")))
+    """Every compiled capability in build.toml's notation, which is also the one the kernels loader reads."""
+    return sorted({c for kernel in kernels for c in capabilities(kernel)}, key=_cap_key)
+
+
+def kernels_minver() -> str:
+    """The oldest kernels library the build supports: requirements-dev.txt's pin, the one home of that number."""
+    requirements = (ROOT / "requirements-dev.txt").read_text()
+    pins = re.findall(r"^kernels(?:\[[\w,]+\])?>=([\d.]+)\s*$", requirements, re.MULTILINE)
+    if len(pins) != 1:
+        sys.exit("requirements-dev.txt must pin the kernels library as one `kernels>=X.Y.Z` line")
+    return pins[0]
+
+
+def variant_digest(variant_dir: pathlib.Path) -> dict:
+    """SHA-256 of every file of the variant, base64, by relative path: the digest `kernel-builder hash` records.
+
+    metadata.json (which holds the digest) and its signature are left out, as are Python bytecode files,
+    which the interpreter writes beside the sources after the build.
+    """
+    files = {}
+    for path in sorted(variant_dir.rglob("*")):
+        rel = path.relative_to(variant_dir)
+        if (not path.is_file() or rel.as_posix() in ("metadata.json", "metadata.json.sigstore")
+                or "__pycache__" in rel.parts or path.suffix == ".pyc"):
+            continue
+        files[rel.as_posix()] = base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
+    return {"algorithm": "sha256", "files": files}
 
 
 def variant_name() -> str:
@@ -272,12 +294,11 @@ def build(config: Config) -> pathlib.Path:
     check_shared_libstdcxx(so)
 
     variant_dir = BUILD / variant
-    package = variant_dir / config.python_name
     shutil.rmtree(variant_dir, ignore_errors=True)  # no stale .so or .py of an earlier revision
-    package.mkdir(parents=True)
+    variant_dir.mkdir(parents=True)
     for py in package_py:
-        shutil.copy2(py, package)
-    (package / "_ops.py").write_text(
+        shutil.copy2(py, variant_dir)
+    (variant_dir / "_ops.py").write_text(
         "import torch\n"
         f"from . import {ops_name}\n"
         f"ops = torch.ops.{ops_name}\n\n\n"
@@ -285,30 +306,57 @@ def build(config: Config) -> pathlib.Path:
         '    """Prefix an op name with the namespace of this build."""\n'
         f'    return f"{ops_name}::{{op_name}}"\n'
     )
-    shutil.copy2(so, package / f"{ops_name}.abi3.so")
+    shutil.copy2(so, variant_dir / f"{ops_name}.abi3.so")
+    compat = variant_dir / config.python_name
+    compat.mkdir()
+    (compat / "__init__.py").write_text(COMPAT_INIT.format(kernel_id=ops_name))
     metadata = {
         "name": config.name,
         "id": ops_name,
         "version": config.version,
         "license": config.license,
+        "build-layout": "files",
+        "kernels-minver": kernels_minver(),
         "python-depends": [],
         "kernel-depends": [],
         "backend": {"type": "cuda", "archs": archs},
+        "digest": variant_digest(variant_dir),
     }
     (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     print(f"[build] wrote {variant_dir.relative_to(ROOT)} (torch {torch.__version__})", flush=True)
     return variant_dir
 
 
+# The package directory kernel-builder keeps in each variant for older loaders and `import attention_int8` with
+# the variant on sys.path: it imports the variant's package under the build's kernel id, the module name the
+# kernels library gives it too, so both ways of loading share one module.
+COMPAT_INIT = '''"""Compatibility package: the build in the parent directory."""
+
+import importlib.util
+import pathlib
+import sys
+
+_KERNEL_ID = "{kernel_id}"
+if _KERNEL_ID not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(_KERNEL_ID, pathlib.Path(__file__).parent.parent / "__init__.py")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[_KERNEL_ID] = _module
+    try:
+        _spec.loader.exec_module(_module)
+    except BaseException:
+        del sys.modules[_KERNEL_ID]
+        raise
+# The import statement returns what sys.modules holds under this name once this file has run.
+sys.modules[__name__] = sys.modules[_KERNEL_ID]
+'''
+
+
 def import_check(config: Config) -> None:
     """Import the built package in a fresh interpreter, as a hub loader would, and name its ops."""
     variant_dir = BUILD / variant_name()
-    package = variant_dir / config.python_name
-    if not package.is_dir():
-        package = variant_dir  # kernel-builder (Nix) builds put the package files in the variant dir
     code = (
         "import importlib, importlib.util, sys, torch\n"
-        f"spec = importlib.util.spec_from_file_location({config.python_name!r}, {str(package / '__init__.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location({config.python_name!r}, {str(variant_dir / '__init__.py')!r})\n"
         "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
         "ops = importlib.import_module(spec.name + '._ops').ops\n"

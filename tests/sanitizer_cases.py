@@ -14,6 +14,9 @@ import sys
 
 import torch
 
+if __name__ == "__main__" and not torch.cuda.is_available():
+    sys.exit("tests/sanitizer_cases.py runs the op on a CUDA GPU (under compute-sanitizer), and this machine has none")
+
 from _helpers import (CENTER_KINDS, KERNELS, KV_SPLIT_CASES, ODD_CASES, center_inputs, check_case, check_quantize,
                       to_layout)
 from conftest import load_package

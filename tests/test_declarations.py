@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from conftest import BUILD_DIR, ROOT
+from conftest import BUILD_DIR, ROOT, built_extension
 
 HEADER = ROOT / "attention-int8" / "attention_int8.h"
 BINDING = ROOT / "torch-ext" / "torch_binding.cpp"
@@ -41,10 +41,7 @@ def launchers() -> list[str]:
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    libs = sorted((BUILD_DIR / "attention_int8").glob("*.so"))
-    if len(libs) != 1:
-        pytest.fail(f"expected one extension in {BUILD_DIR / 'attention_int8'}, found {libs}: run `make build`")
-    return symbols(libs[0], "-D", "--defined-only").get("T", set())
+    return symbols(built_extension(), "-D", "--defined-only").get("T", set())
 
 
 def test_launchers_are_exported_with_the_header_signatures(exported):

@@ -12,7 +12,7 @@ import torch
 from _helpers import (CENTER_KINDS, COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, Case, accuracy_failures,
                       center_inputs, check_case, check_quantize, kernel_params, make_qkv, metrics, poison_like,
                       reference_failures, lse_ref_atol, select_kernel, to_layout)
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_sm90
 
 pytestmark = requires_cuda
 
@@ -314,8 +314,7 @@ def _kernel_names(fn):
     return [event.name for event in prof.events()]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the Hopper kernel's split-KV")
+@requires_sm90
 def test_kv_split_only_for_a_partial_last_wave(ai8, monkeypatch):
     """Unforced, the Hopper kernel splits keys only where a last wave of tiles (192 query rows) at most 2/3 full
     then takes less time (2 ways up to 1/2, 3 ways up to 2/3), and never under the causal mask; the split
@@ -343,8 +342,7 @@ def test_kv_split_only_for_a_partial_last_wave(ai8, monkeypatch):
         assert not failures, failures
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the Hopper kernel")
+@requires_sm90
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_hopper_kernel_serves_every_head_dim(ai8, monkeypatch, head_dim):
     """On compute capability 9.0 the Hopper kernel runs every supported head dim (D = 96 on rows padded to 128
