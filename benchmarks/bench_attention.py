@@ -1,6 +1,6 @@
 """INT8 attention vs torch SDPA (flash and cuDNN backends): time, TFLOP/s, peak memory and accuracy.
 
-    python benchmarks/bench_attention.py [--quick] [--out-dir benchmarks/out] [--append-results benchmarks/RESULTS.md]
+    python benchmarks/bench_attention.py [--quick] [--out-dir benchmarks/out] [--append-results benchmarks/results-log.md]
 
 Every method runs on the same inputs in one process. The INT8 time includes the quantization of Q and K (it
 happens inside the op). Timed calls rotate over several input sets whose total size exceeds the L2 cache, so no
@@ -287,7 +287,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a handful of shapes, float16 only")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks" / "out")
     parser.add_argument("--append-results", type=pathlib.Path, metavar="MARKDOWN",
-                        help="append the results block to this file (e.g. benchmarks/RESULTS.md)")
+                        help="append the results block to this file (e.g. benchmarks/results-log.md)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA GPU on this machine; nothing to benchmark")

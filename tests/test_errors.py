@@ -132,7 +132,7 @@ def test_mixed_devices(ai8):
 
 @requires_cuda
 def test_compute_capability_checked(ai8, monkeypatch):
-    monkeypatch.setattr(ai8, "_capability", lambda device_index: (7, 5))  # the API's cached query
+    monkeypatch.setattr(ai8._checks, "_capability", lambda device_index: (7, 5))  # the API's cached query
     _assert_raises(ValueError, [r"compute capability", r"8\.0", r"7\.5"], ai8.int8_attention_forward,
                    *_inputs("cuda"))
 

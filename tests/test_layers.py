@@ -1,6 +1,7 @@
 """attention_int8.layers: the SDPA-compatible function, the kernels-hub layer and the diffusers processor."""
 
 import copy
+import textwrap
 import warnings
 
 import pytest
@@ -60,9 +61,10 @@ FALLBACKS = {
     "attn_mask": (_masked, "attn_mask"),
     "dropout": (lambda dev: (qkv(2, 4, 4, 64, 64, 64, torch.float16, dev), dict(dropout_p=0.25)), "dropout"),
     "3-D": (lambda dev: ((torch.randn(4, 64, 64, dtype=torch.float16, device=dev),) * 3, {}), "4-D"),
-    "float32": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.float32, dev), {}), "dtypes"),
-    "head_dim_80": (lambda dev: (qkv(1, 2, 2, 64, 64, 80, torch.float16, dev), {}), "head dims"),
-    "v_head_dim": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, dev, d_v=128), {}), "head dims"),
+    "float32": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.float32, dev), {}), "float16 or torch.bfloat16"),
+    "head_dim_80": (lambda dev: (qkv(1, 2, 2, 64, 64, 80, torch.float16, dev), {}), "head_dim 80"),
+    "v_head_dim": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, dev, d_v=128), {}), "same shape"),
+    "negative_scale": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.float16, dev), dict(scale=-0.125)), "sm_scale"),
     "causal_nq_ne_nkv": (lambda dev: (qkv(1, 2, 2, 48, 96, 64, torch.float16, dev), dict(is_causal=True)),
                          "top-left"),
     "requires_grad": (_grad, "require grad"),
@@ -99,7 +101,7 @@ def test_each_reason_warns_once(layers):
     d80 = qkv(1, 2, 2, 16, 16, 80, torch.float16, "cpu")
     _, msgs = run_recording_fallbacks(
         lambda: [layers.int8_scaled_dot_product_attention(*inputs) for inputs in (fp32, d80, fp32, d80, d80)])
-    assert len(msgs) == 2 and "dtypes" in msgs[0] and "head dims" in msgs[1], msgs
+    assert len(msgs) == 2 and "bfloat16" in msgs[0] and "head_dim 80" in msgs[1], msgs
 
 
 @pytest.mark.filterwarnings("ignore:attention_int8")
@@ -330,16 +332,19 @@ def test_processor_rejects_unet_modules(layers):
 # Int8Attention through kernels' layer mapping
 # ---------------------------------------------------------------------------------------------------------------
 
+def docstring_sdpa_module(layers, kernels):
+    """The SDPA module of `Int8Attention`'s docstring, built from the docstring's own code."""
+    doc = layers.Int8Attention.__doc__
+    code = textwrap.dedent(doc.split("e.g.::\n", 1)[1].split("\n\n    ", 1)[0].strip("\n"))
+    namespace = {"use_kernel_forward_from_hub": kernels.use_kernel_forward_from_hub, "nn": nn, "F": F}
+    exec(code, namespace)
+    return namespace["ScaledDotProductAttention"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernelize_swaps_in_int8_attention(ai8, layers, device):
     kernels = pytest.importorskip("kernels")
-
-    @kernels.use_kernel_forward_from_hub("ScaledDotProductAttention")
-    class ScaledDotProductAttention(nn.Module):
-        def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False):
-            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa=enable_gqa)
+    ScaledDotProductAttention = docstring_sdpa_module(layers, kernels)
 
     # Mapped for the test's device: kernels resolves "cuda" mappings by the GPU's capability. On CPU the layer
     # is loaded and validated all the same, and then falls back to SDPA.
@@ -350,16 +355,19 @@ def test_kernelize_swaps_in_int8_attention(ai8, layers, device):
         kernels.kernelize(inference, mode=kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE, device=device)
         kernels.kernelize(training, mode=kernels.Mode.TRAINING, device=device)
     assert inference.forward.__qualname__ == "Int8Attention.forward"
-    assert training.forward.__qualname__.endswith("<locals>.ScaledDotProductAttention.forward")  # no backward
+    assert training.forward.__qualname__ == "ScaledDotProductAttention.forward"  # no backward: the module's own
 
     q, k, v = qkv(2, 4, 4, 64, 64, 128, torch.float16, device)
-    out, msgs = run_recording_fallbacks(inference, q, k, v, is_causal=True)
+    out, msgs = run_recording_fallbacks(inference, q, k, v, None, 0.0, True, 0.05)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.05)
     if device == "cpu":
         assert len(msgs) == 1 and "on cpu" in msgs[0], msgs
-        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        assert torch.equal(out, sdpa)
     else:
         assert msgs == []
-        assert torch.equal(out, ai8.int8_attention_forward(q, k, v, is_causal=True))
+        assert torch.equal(out, ai8.int8_attention_forward(q, k, v, is_causal=True, sm_scale=0.05))
+    # The module kernelize left alone runs its own forward, which passes every argument on to SDPA.
+    assert torch.equal(training(q, k, v, None, 0.0, True, 0.05), sdpa)
 
 
 # ---------------------------------------------------------------------------------------------------------------

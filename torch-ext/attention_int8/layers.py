@@ -5,9 +5,6 @@
 * `Int8Attention`: the same as a stateless kernels-hub layer, for `kernels.kernelize`.
 * `Int8AttnProcessor`: a diffusers attention processor (self/cross attention, FLUX joint attention, q/k norms,
   rotary embeddings) that keeps the projections in `[B, N, H, D]` so the kernel reads them without copies.
-
-The package's `__init__` imports this module, so the kernel entry points are imported lazily inside functions
-(the package has finished initializing by the time any of them runs; torch.compile traces these imports).
 """
 
 import warnings
@@ -17,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._api import int8_attention_forward
+from ._checks import HEAD_AXIS, SEQUENCE_AXIS, attention_input_error, device_error
+from .reference import int8_attention_reference
+
 __all__ = ["Int8Attention", "Int8AttnProcessor", "int8_scaled_dot_product_attention"]
 
-_HEAD_AXIS = {"HND": 1, "NHD": 2}
 _warned_reasons: set = set()
 
 
@@ -32,26 +32,17 @@ def _warn_once(reason: str) -> None:
         )
 
 
-def _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layout) -> Optional[str]:
+def _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout) -> Optional[str]:
     """Why the kernel cannot compute this call exactly as SDPA would (device aside), or None."""
-    from . import SUPPORTED_HEAD_DIMS
-
     if attn_mask is not None:
         return "attn_mask is not supported"
     if dropout_p > 0.0:
         return "dropout_p > 0 is not supported"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "only 4-D inputs are supported"
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)):
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (the kernel takes float16 or bfloat16, all alike)"
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in SUPPORTED_HEAD_DIMS):
-        return f"head dims {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} (the kernel takes {SUPPORTED_HEAD_DIMS})"
-    h = _HEAD_AXIS[layout]
-    n = 3 - h
-    if q.shape[0] != k.shape[0] or k.shape != v.shape:
-        return "q, k, v batch sizes or k, v shapes differ"
-    if q.shape[h] != k.shape[h] and not (enable_gqa and q.shape[h] % k.shape[h] == 0):
-        return "query and key/value head counts differ (GQA needs enable_gqa=True and Hq % Hkv == 0)"
+    if error := attention_input_error(q, k, v, is_causal, scale, layout, smooth_k=True):
+        return str(error)
+    h, n = HEAD_AXIS[layout], SEQUENCE_AXIS[layout]
+    if q.shape[h] != k.shape[h] and not enable_gqa:
+        return "query and key/value head counts differ (GQA needs enable_gqa=True)"
     if is_causal and q.shape[n] != k.shape[n]:
         # SDPA aligns the causal mask top-left, the kernel bottom-right: they agree only for Nq == Nkv.
         return "is_causal with Nq != Nkv (SDPA's mask is top-left aligned)"
@@ -63,17 +54,11 @@ def _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layou
 def _attention(q, k, v, *, layout, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                use_reference_on_cpu=False):
     """Attention in `layout` ("HND" or "NHD") on the kernel, the CPU reference, or SDPA, whichever applies."""
-    from . import _MIN_CAPABILITY, int8_attention_forward
-
-    reason = _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layout)
-    if reason is None and not (q.is_cuda and k.is_cuda and v.is_cuda):
-        if use_reference_on_cpu and q.device.type == k.device.type == v.device.type == "cpu":
-            from .reference import int8_attention_reference
-
-            return int8_attention_reference(q, k, v, is_causal=is_causal, sm_scale=scale, tensor_layout=layout)
-        reason = f"q, k, v on {q.device.type}/{k.device.type}/{v.device.type} (the kernel runs on CUDA)"
-    if reason is None and torch.cuda.get_device_capability(q.device) < _MIN_CAPABILITY:
-        reason = f"{torch.cuda.get_device_name(q.device)} is older than compute capability 8.0"
+    reason = _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout)
+    if reason is None and use_reference_on_cpu and q.device.type == k.device.type == v.device.type == "cpu":
+        return int8_attention_reference(q, k, v, is_causal=is_causal, sm_scale=scale, tensor_layout=layout)
+    if reason is None and (error := device_error((q, k, v), ("q", "k", "v"))):
+        reason = str(error)
     if reason is not None:
         _warn_once(reason)
         if layout == "NHD":
@@ -111,8 +96,8 @@ class Int8Attention(nn.Module):
         class ScaledDotProductAttention(nn.Module):
             def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False):
-                return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                      enable_gqa=enable_gqa)
+                return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                      scale=scale, enable_gqa=enable_gqa)
 
     mapped with `{"ScaledDotProductAttention": {"cuda": LayerRepository(..., layer_name="Int8Attention")}}`.
     kernelize swaps in `forward` only, so the layer keeps no state; calls it cannot serve fall back to SDPA.
