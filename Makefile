@@ -10,7 +10,7 @@
 #
 # Variables: PYTHON (default: python3 when it already has CUDA torch, pytest and numpy, as on a GPU
 # box without network; else .venv/bin/python, created on demand), BENCH_ARGS (e.g. "--append-results
-# benchmarks/RESULTS.md"), CUDA_CAPABILITIES="9.0" builds a
+# benchmarks/results-log.md"), CUDA_CAPABILITIES="9.0" builds a
 # subset of build.toml's capabilities, MAX_JOBS caps parallel compiles, CUDA_HOME, HOST_CXX (the binding's
 # compiler, default g++), NIX_ENV.
 
