@@ -272,7 +272,7 @@ def _p_u8(s2, m_tile):
 
 
 def int8_pv(s2, v_q, v_scale):
-    """Issue 43's INT8 P.V in closed form for base-2 logits s2 [..., rows, Nkv] (-inf where masked), v_q [..., Nkv, D]
+    """The INT8 P.V in closed form for base-2 logits s2 [..., rows, Nkv] (-inf where masked), v_q [..., Nkv, D]
     and v_scale [..., T, D] (quantize_v): ``(o, m, l)`` with the row max m [..., rows, 1] and
     ``o = sum_t w_t (P_u8 @ V_q)_t v_scale[t]``, ``l = sum_t w_t rowsum(P_u8)_t``, ``w_t = 2^(m_t - m) / 255``:
     what int8_pv_online computes tile by tile."""
@@ -315,7 +315,8 @@ def int8_pv_online(s2, v_q, v_scale):
 
 
 def _pv_fp16(s2, v, dtype):
-    """Step 4's fp16/bf16 P.V at the final row max: ``(o, m, l)`` as int8_pv returns them."""
+    """Step 4's fp16/bf16 P.V at the final row max: ``(o, m, l)`` as int8_pv returns them (but m = 0, not -inf, in
+    rows without a key)."""
     m = s2.amax(dim=-1, keepdim=True) if s2.shape[-1] > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # rows without a key: 2^(-inf - 0) = 0
     p = torch.exp2(s2 - m)
