@@ -35,7 +35,7 @@ def main():
     head_dim = 128
     q, k, v = (torch.randn(1, args.heads, args.seqlen, head_dim, dtype=torch.float16) for _ in range(3))
     exact = reference.attention_float64(q, k, v)
-    q_q, q_scale, k_q, k_scale, _ = reference._quantized_operands(q, k, 1, head_dim ** -0.5, True)
+    q_q, q_scale, k_q, k_scale, _, _ = reference._quantized_operands(q, k, 1, head_dim ** -0.5, True)
     logits, _ = reference._logits(q_q, q_scale, k_q, k_scale)
     p = torch.exp2(logits - logits.amax(dim=-1, keepdim=True))  # (0, 1]
     row_sum = p.sum(dim=-1, keepdim=True)

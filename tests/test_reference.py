@@ -4,13 +4,14 @@ The GPU tests hold the kernel to this reference; these hold the reference (the s
 attention, and check the quantizer's properties one by one.
 """
 
+import functools
 import itertools
 import math
 
 import pytest
 import torch
 
-from _helpers import LSE_ATOL, Case, accuracy_failures, center_inputs, lse_failures, make_qkv, metrics
+from _helpers import LSE_ATOL, Case, accuracy_failures, assert_accurate, center_inputs, lse_failures, make_qkv, metrics
 
 # (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
 # mask (leading rows see no key), Nq < Nkv, and a long square case.
@@ -19,6 +20,10 @@ SHAPES = [(1, 1, False), (1, 1, True), (3, 200, False), (65, 65, True), (129, 20
 HEADS = [(2, 2), (4, 1), (6, 2)]
 LAYOUTS = ["HND", "NHD"]
 DTYPES = [torch.float16, torch.bfloat16]
+
+# The options of issues 43 (INT8 P.V) and 46 (Q smoothing, channel balancing).
+OPTIONS = {"int8": dict(pv_precision="int8"), "fp16-remedies": dict(smooth_q=True, balance_channels=True),
+           "int8-remedies": dict(pv_precision="int8", smooth_q=True, balance_channels=True)}
 
 
 def _grid():
@@ -217,20 +222,23 @@ def test_quantize_zero_and_non_finite_rows(ai8):
     assert torch.equal(block_scale.isnan().flatten(), torch.tensor([False, True]))
 
 
-def test_rows_without_keys(ai8):
+@pytest.mark.parametrize("option", ["fp16", *OPTIONS])
+def test_rows_without_keys(ai8, option):
     """Nq > Nkv under the bottom-right causal mask: the first Nq - Nkv rows see no key -> 0 and LSE -inf."""
     q, k, v = make_qkv(Case(seqlen_q=300, seqlen_kv=100, is_causal=True))
-    for fn in (ai8.reference.int8_attention_reference, ai8.reference.attention_float64):
+    options = OPTIONS.get(option, {})
+    for fn in (functools.partial(ai8.reference.int8_attention_reference, **options), ai8.reference.attention_float64):
         out, lse = fn(q, k, v, is_causal=True, return_lse=True)
         assert (out[:, :, :200] == 0).all() and torch.isneginf(lse[:, :, :200]).all()
         assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 200:]).all()
         assert (out[:, :, 200:].abs().sum(-1) > 0).all()
 
 
+@pytest.mark.parametrize("option", ["fp16", *OPTIONS])
 @pytest.mark.parametrize("seqlen_q, seqlen_kv", [(0, 0), (0, 64), (64, 0)])
-def test_empty_sequences(ai8, seqlen_q, seqlen_kv):
+def test_empty_sequences(ai8, seqlen_q, seqlen_kv, option):
     q, k, v = make_qkv(Case(seqlen_q=seqlen_q, seqlen_kv=seqlen_kv))
-    out, lse = ai8.reference.int8_attention_reference(q, k, v, return_lse=True)
+    out, lse = ai8.reference.int8_attention_reference(q, k, v, return_lse=True, **OPTIONS.get(option, {}))
     assert out.shape == q.shape and lse.shape == q.shape[:-1]
     assert (out == 0).all() and torch.isneginf(lse).all()
 
@@ -242,10 +250,11 @@ def test_bottom_right_causal_matches_sdpa_for_square(ai8):
     assert (ai8.reference.attention_float64(q, k, v, is_causal=True) - sdpa).abs().max() <= 1e-12
 
 
-def test_nan_propagates(ai8):
+@pytest.mark.parametrize("option", ["fp16", "int8"])
+def test_nan_propagates(ai8, option):
     q, k, v = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=64, seqlen_kv=64))
     q[0, 1, 5, 3] = math.nan
-    out = ai8.reference.int8_attention_reference(q, k, v)
+    out = ai8.reference.int8_attention_reference(q, k, v, **OPTIONS.get(option, {}))
     bad = torch.zeros(out.shape[:-1], dtype=torch.bool)
     bad[0, 1, 5] = True
     assert out[bad].isnan().all() and torch.isfinite(out[~bad]).all()
@@ -258,3 +267,168 @@ def test_timestep_argument_is_gone(ai8):
         ai8.int8_attention_forward(q, k, v, timestep=1)
     for name in ("int8_attention_forward", "int8_attention_forward_with_lse", "quantize_int8"):
         assert "timestep" not in str(getattr(ai8.ops, name).default._schema)
+
+
+def _option_grid():
+    """The grid of test_scheme_accuracy: INT8 P.V on every case, the remedies on every third (each with every kind)."""
+    for i, case in enumerate(_grid()):
+        yield pytest.param(case, "int8", id=f"{case}-int8")
+        if i % 3:
+            name = ("fp16-remedies", "int8-remedies")[i % 3 - 1]
+            yield pytest.param(case, name, id=f"{case}-{name}")
+
+
+@pytest.mark.parametrize("case, option", list(_option_grid()))
+def test_option_accuracy(ai8, case, option):
+    """INT8 P.V and the remedies hold the bars on the grid. Measured over 5 draws of the whole grid: INT8 P.V rel
+    L1 <= 0.0146 on normal and k_offset inputs but 0.0187 on q_shift (fp16 P.V: 0.0164), cos >= 0.99981; with
+    both remedies (2 draws) <= 0.0143 on every kind (fp16 P.V 0.0116), cos >= 0.99989."""
+    q, k, v = make_qkv(case)
+    kwargs = dict(is_causal=case.is_causal, tensor_layout=case.layout, return_lse=True)
+    out, lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs, **OPTIONS[option])
+    exact, exact_lse = ai8.reference.attention_float64(q, k, v, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous() and lse.dtype == torch.float32
+    failures = accuracy_failures(out, exact, str(case)) + lse_failures(lse, exact_lse, LSE_ATOL, str(case))
+    assert not failures, failures
+
+
+def _hard_inputs(kind, seqlen=1024, rows=256, head_dim=128, generator=None):
+    """fp16 q [1, 2, rows, D], k, v [1, 2, seqlen, D] of issue 46's classes: "k_outliers" (4 random K channels 30x
+    the others), "q_offset" (Q plus 5 randn(D) shared by its rows) or both ("k_outliers+q_offset")."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q, k, v = randn(1, 2, rows, head_dim), randn(1, 2, seqlen, head_dim), randn(1, 2, seqlen, head_dim)
+    if "k_outliers" in kind:
+        k[..., torch.randperm(head_dim, generator=generator)[:4]] *= 30
+    if "q_offset" in kind:
+        q = q + 5 * randn(1, 2, 1, head_dim)
+    return q.half(), k.half(), v.half()
+
+
+# Issue 46's classes with both remedies, N = 1024, 256 rows: the residual (rel L1, cos) each is held to where the
+# bars (None) cannot hold. Measured, 25 fresh draws each (after, with fp16 / int8 P.V): Q + 5 randn(D) rel L1
+# <= 0.0077 / 0.0110 (before: 0.010-0.043); K channels 30x plus that offset <= 0.0142 / 0.0222 (before: up to
+# 0.28 / 0.43; in 100 more draws int8 reached 0.0158, so about 1 in 100 exceeds 0.02); K channels 30x alone
+# 0.021-0.031 for both (before 0.078-0.110, cos >= 0.99940 after): balancing cuts it 3x at least, but no remedy
+# here reaches the bars.
+HARD_RESIDUALS = {("q_offset", "fp16"): None, ("q_offset", "int8"): None,
+                  ("k_outliers+q_offset", "fp16"): None, ("k_outliers+q_offset", "int8"): (0.035, 0.999),
+                  ("k_outliers", "fp16"): (0.045, 0.998), ("k_outliers", "int8"): (0.045, 0.998)}
+
+
+@pytest.mark.parametrize("kind, pv_precision", list(HARD_RESIDUALS), ids="-".join)
+def test_remedies_on_hard_inputs(ai8, kind, pv_precision):
+    q, k, v = _hard_inputs(kind)
+    exact = ai8.reference.attention_float64(q, k, v)
+    run = ai8.reference.int8_attention_reference
+    before = metrics(run(q, k, v, pv_precision=pv_precision), exact)
+    out = run(q, k, v, pv_precision=pv_precision, smooth_q=True, balance_channels=True)
+    after = metrics(out, exact)
+    assert after["rel_l1"] < before["rel_l1"] / (1.25 if kind == "q_offset" else 2.5), (before, after)
+    residual = HARD_RESIDUALS[kind, pv_precision]
+    if residual is None:
+        assert_accurate(out, exact, f"{kind} {pv_precision}")
+    else:
+        assert after["rel_l1"] <= residual[0] and after["cos"] >= residual[1], after
+
+
+def test_q_smoothing_logits_are_exact(ai8):
+    """With smooth_q (and balance_channels), the logits are q . k' (K' the smoothed K) up to the quantization of
+    the two operands the INT8 product sees, bounded from their own scales: a shared Q offset 20x the rows' scale
+    adds nothing. Without smooth_q the same bound fails: Q's range is spent on the offset."""
+    reference = ai8.reference
+    q, k, _ = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=200, seqlen_kv=300, head_dim=128, kind="k_offset"))
+    q = (q.float() + 20 * torch.randn(1, 4, 1, 128)).half()
+    k[..., :3] *= 8
+    sm_scale = 128 ** -0.5
+    out_scale = torch.tensor(sm_scale * math.log2(math.e), dtype=torch.float32)
+    k_smooth = k.float() - reference.key_center(k).unsqueeze(-2)
+    q_smooth = q.float() - reference.key_center(q).unsqueeze(-2)
+    k_rep = k_smooth.double().repeat_interleave(2, dim=1)
+    exact = (q.double() @ k_rep.transpose(-1, -2)) * sm_scale * math.log2(math.e)
+    for balance in (False, True):
+        scale = reference.balance_factors(q_smooth, k_smooth) if balance else torch.ones(1, 2, 128)
+        q_op = (q_smooth * scale.repeat_interleave(2, dim=1).unsqueeze(-2) * out_scale).double()
+        k_op = (k_smooth * scale.reciprocal().unsqueeze(-2)).double().repeat_interleave(2, dim=1)
+        q_step = q_op.abs().amax(dim=-1, keepdim=True) / 127  # [..., Nq, 1]
+        k_step = torch.nn.functional.pad(k_op, (0, 0, 0, 20)).unflatten(-2, (5, 64)).abs().amax(dim=(-1, -2)) / 127
+        k_step = k_step.repeat_interleave(64, dim=-1)[..., None, :300]  # [..., 1, Nkv], one per 64-key block
+        # |x - x_q step| <= step / 2 for each operand, so |q.k - q_q.k_q| <= the sum of the two cross terms and
+        # their product, plus fp32 rounding of the bias and of the scaled operands.
+        bound = (q_step / 2 * k_op.abs().sum(dim=-1).unsqueeze(-2) + k_step / 2 * q_op.abs().sum(dim=-1, keepdim=True)
+                 + 128 * q_step * k_step / 4) + 1e-5 * (1 + exact.abs())
+        logits, _ = reference.int8_logits(q, k, smooth_q=True, balance_channels=balance)
+        err = (logits.double() - exact).abs()
+        assert (err <= bound).all(), (err / bound).max()
+        assert (err / bound).mean() < 0.2  # the bound is a worst case; typical errors are random-walk sized
+    unsmoothed, _ = reference.int8_logits(q, k)
+    assert ((unsmoothed.double() - exact).abs() > bound).float().mean() > 0.5
+
+
+def test_channel_balancing(ai8):
+    """balance_factors: q . k is unchanged (float64); where a channel's sampled Q and K ranges differ 4x or more
+    they become equal, sqrt(max|q_c| max|k_c|), else it keeps factor 1; GQA takes Q's range over the query heads
+    of a K/V head; a dead or non-finite channel keeps factor 1."""
+    q = torch.randn(2, 6, 300, 64) * torch.tensor([1 / 16] * 16 + [1.0] * 32 + [16.0] * 16)  # ranges vs K's
+    k = torch.randn(2, 2, 500, 64)
+    k[..., 5] *= 40
+    q[..., 7] = 0
+    k[1, 1, ai8.reference.center_sample(500)[3], 9] = math.nan
+    s = ai8.reference.balance_factors(q, k)
+    assert s.shape == (2, 2, 64) and s.dtype == torch.float32
+    assert (s[..., 7] == 1).all() and s[1, 1, 9] == 1 and (s[..., 5] > 2).all()
+    moved = s != 1
+    moved[..., 7] = True
+    moved[1, 1, 9] = True
+    assert moved[..., :16].all() and not moved[..., 16:48].any() and moved[..., 48:].all()
+    q_b, k_b = q.double() * s.repeat_interleave(3, dim=1).double().unsqueeze(-2), k.double() / s.double().unsqueeze(-2)
+    assert torch.allclose(q_b @ k_b.repeat_interleave(3, dim=1).transpose(-1, -2),
+                          q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2), rtol=1e-12, atol=1e-10,
+                          equal_nan=True)
+    sample = lambda t: t[..., ai8.reference.center_sample(t.shape[-2]), :]
+    q_range = sample(q_b).abs().amax(dim=-2).unflatten(1, (2, 3)).amax(dim=2)
+    k_range = sample(k_b).abs().amax(dim=-2)
+    ok = s != 1
+    assert torch.allclose(q_range[ok], k_range[ok], rtol=1e-6)
+
+
+def test_quantize_v_per_block_channel(ai8):
+    """One scale per (64-key block, channel): each is quantize_int8 of that block's column alone."""
+    v = torch.randn(2, 3, 150, 96) * torch.rand(1, 1, 1, 96) * 10
+    v_q, v_scale = ai8.reference.quantize_v(v.half())
+    assert v_q.shape == v.shape and v_q.dtype == torch.int8 and v_scale.shape == (2, 3, 3, 96)
+    for b, rows in enumerate((slice(0, 64), slice(64, 128), slice(128, 150))):
+        column_q, column_scale = ai8.reference.quantize_int8(v.half()[:, :, rows].transpose(-1, -2))
+        assert torch.equal(v_q[:, :, rows], column_q.transpose(-1, -2)) and torch.equal(v_scale[:, :, b], column_scale)
+
+
+@pytest.mark.parametrize("seqlen_kv, is_causal", [(1000, True), (130, False), (64, True)])
+def test_int8_pv_online_equals_closed_form(ai8, seqlen_kv, is_causal):
+    """The kernels' tile-by-tile form (running max, rescaled O and l) is the closed form up to fp32 rounding:
+    tails of the last 64-key tile, fully masked tiles and rows that see no key (causal Nq > Nkv) included."""
+    reference = ai8.reference
+    q, k, v = make_qkv(Case(heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=seqlen_kv, head_dim=64, kind="q_shift"))
+    logits, _ = reference.int8_logits(q, k)
+    logits = logits * 3  # sharper rows: the running max moves between tiles by more than a few units
+    if is_causal:
+        rows, cols = torch.arange(300)[:, None], torch.arange(seqlen_kv)[None, :]
+        logits = logits.masked_fill(cols > rows + seqlen_kv - 300, -math.inf)
+    v_q, v_scale = (t.repeat_interleave(2, dim=1) for t in reference.quantize_v(v))
+    o, m, l = reference.int8_pv(logits, v_q, v_scale)
+    o_online, m_online, l_online = reference.int8_pv_online(logits, v_q, v_scale)
+    assert torch.equal(m, m_online)
+    seen = torch.isfinite(m).squeeze(-1)
+    assert (l[~seen] == 0).all() and (o[~seen] == 0).all() and (l_online[~seen] == 0).all()
+    assert (l[seen] >= 1 - 1e-6).all()  # the row's max tile alone adds 255 / 255
+    torch.testing.assert_close(l_online, l, rtol=1e-5, atol=0)
+    v_max = (v_q.float() * v_scale.repeat_interleave(64, dim=-2)[..., :seqlen_kv, :]).abs().max()
+    err = ((o_online - o)[seen] / l[seen]).abs().max() / v_max  # normalized outputs, relative to max |V|
+    assert err <= 1e-5, err  # fp32 reassociation only
+
+
+@pytest.mark.parametrize("value", ["fp8", "int4", None, "FP16"])
+def test_bad_pv_precision(ai8, value):
+    q, k, v = make_qkv(Case(seqlen_q=8, seqlen_kv=8))
+    with pytest.raises(ValueError, match="pv_precision"):
+        ai8.reference.int8_attention_reference(q, k, v, pv_precision=value)

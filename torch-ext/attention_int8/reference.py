@@ -26,6 +26,25 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    logits. Smoothing leaves the softmax unchanged but shifts its normalizer, so the shift is added back
    (only with ``smooth_k``).
 
+Options (all off by default, so the kernels' scheme above is the default):
+
+- ``smooth_q`` (issue 46): Q smoothing with an exact bias. ``Q' = Q - mu`` with Q's centre ``mu = key_center(Q)``
+  (the same sampled, trimmed mean as K's, per query head) is what gets quantized, and every logit of key j gains
+  ``b_j = mu . k'_j * sm_scale * log2(e)`` (``key_bias``), computed in fp32 from the smoothed, unquantized K' the
+  K quantizer reads (before balancing). ``q . k' = (q - mu) . k' + mu . k'``, so the logits stay exact up to the
+  quantization of ``Q - mu`` and of K'; a shared Q offset no longer eats Q's INT8 range. The bias enters step 3 as
+  the addend of the dequantizing FMA, ``S2 = fma(S, c, b_j)``, and tile maxima are taken on these fp32 logits.
+- ``balance_channels`` (issue 46): channel c of Q' is multiplied by ``s_c`` and of K' by ``1 / s_c`` (fp32), with
+  ``s_c = balance_factors(Q', K') = sqrt(max|k'_c| / max|q'_c|)`` over sampled rows (1 unless s_c >= 2 or <= 1/2),
+  so no K channel owns the INT8 range; ``q . k`` is unchanged up to fp32 rounding.
+- ``pv_precision="int8"`` (issue 43), replacing step 4's fp16 P.V: V is quantized to INT8 with one scale per
+  (64-key block, channel) (``quantize_v``; no centre is subtracted: it changed no measured class's error). Per
+  query row and 64-key tile t, ``m_t = max`` of the tile's logits, ``P_u8 = round(255 * 2^(S2 - m_t))`` (u8, the
+  tile's max maps to 255), and the tile contributes ``w_t * (P_u8 @ V_q) * v_scale[t]`` to O and
+  ``w_t * rowsum(P_u8)`` to l, with ``w_t = 2^(m_t - m) / 255`` and ``m`` the row max; O = O / l, and
+  ``LSE = (m + log2 l) * ln 2`` (+ step 5's shift). ``int8_pv_online`` is the same computation as the kernels
+  run it.
+
 Masking is bottom-right aligned: query i sees key j iff ``j <= i + Nkv - Nq``; a row that sees no key
 outputs 0 with LSE -inf. GQA/MQA: query head h reads K/V head ``h // (Hq // Hkv)``.
 
@@ -38,13 +57,17 @@ import math
 
 import torch
 
-__all__ = ["KEY_TOKENS_PER_SCALE", "CENTER_SAMPLE_KEYS", "center_sample", "key_center", "quantize_int8", "logit_scale",
-           "int8_logits", "int8_attention_reference", "attention_float64"]
+__all__ = ["KEY_TOKENS_PER_SCALE", "CENTER_SAMPLE_KEYS", "PV_PRECISIONS", "P_U8_MAX", "BALANCE_MIN_FACTOR",
+           "center_sample", "key_center", "quantize_int8", "logit_scale", "balance_factors", "key_bias", "int8_logits",
+           "quantize_v", "int8_pv", "int8_pv_online", "int8_attention_reference", "attention_float64"]
 
 LOG2E = math.log2(math.e)
 KEY_TOKENS_PER_SCALE = 64  # kKeyScaleTokens in attention_int8.h
 CENTER_SAMPLE_KEYS = 128  # kCenterSampleKeys
 CENTER_TRIM_DIVISOR = 32  # kCenterTrimDivisor
+PV_PRECISIONS = ("fp16", "int8")
+P_U8_MAX = 255  # the INT8 P.V stores P in (0, 1] as round(255 P): unsigned, the tile's max at 255
+BALANCE_MIN_FACTOR = 2.0  # channel balancing leaves a channel alone unless its Q and K ranges differ 4x or more
 
 # Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
 _MAX_SCORE_ELEMENTS = 1 << 25
@@ -161,59 +184,176 @@ def _prepare(q, k, v, sm_scale, tensor_layout):
     return q, k, v, heads_q // heads_kv, sm_scale
 
 
-def _quantized_operands(q, k, group, sm_scale, smooth_k):
-    """Steps 1 and 2 on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_center)`` with K's values (as fp32) and
-    scales (one per key) repeated to the query heads."""
-    seqlen_kv = k.shape[2]
+def balance_factors(q, k):
+    """Channel balancing factors ``s``, fp32 [B, Hkv, D], for q [B, Hq, Nq, D] and k [B, Hkv, Nkv, D] (fp32, after
+    any smoothing; Nq, Nkv > 0): per K/V head and channel, ``sqrt(max|k_c| / max|q_c|)`` with the maxima over the
+    rows center_sample picks (of every query head the K/V head serves). Q's channel times s and K's times 1 / s
+    keep q . k (up to fp32 rounding) and give both quantizers the channel range ``sqrt(max|q_c| max|k_c|)``.
+    s is 1 where either maximum is 0 or not finite, and where it would lie within BALANCE_MIN_FACTOR of 1:
+    reweighting already balanced channels by sampling noise costs accuracy (standard normal: rel L1 +5%)."""
+    q_max = q[..., center_sample(q.shape[-2], q.device), :].abs().amax(dim=-2)
+    q_max = q_max.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1])).amax(dim=2)
+    k_max = k[..., center_sample(k.shape[-2], k.device), :].abs().amax(dim=-2)
+    s = torch.sqrt(k_max / q_max)
+    skewed = torch.isfinite(s) & (s > 0) & ((s >= BALANCE_MIN_FACTOR) | (s <= 1 / BALANCE_MIN_FACTOR))
+    return torch.where(skewed, s, torch.ones_like(s))
+
+
+def key_bias(q_center, k, sm_scale):
+    """Q smoothing's exact per-key bias in base-2 logit units, fp32 [B, Hq, Nkv]: ``(mu * sm_scale * log2 e) . k_j``
+    for Q's centre ``mu`` [B, Hq, D] and the smoothed K, fp32 [B, Hq, Nkv, D] (K/V heads repeated to the query
+    heads), before balancing and rounding."""
+    return (k @ (q_center * (sm_scale * LOG2E)).unsqueeze(-1)).squeeze(-1)
+
+
+def _centered(x, center):
+    return x.float() if center is None else x.float() - center.float().unsqueeze(-2)
+
+
+def _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q=False, balance_channels=False):
+    """Steps 1 and 2, with the options of issue 46, on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_center, bias)``
+    with K's values (as fp32) and scales (one per key) repeated to the query heads, and Q smoothing's key bias
+    (None without smooth_q)."""
+    seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
     k_center = key_center(k) if smooth_k and seqlen_kv > 0 else None
+    q_center = key_center(q) if smooth_q and seqlen_q > 0 else None
+    q, k = _centered(q, q_center), _centered(k, k_center)
+    bias = None if q_center is None else key_bias(q_center, _repeat_heads(k, group), sm_scale)
+    if balance_channels and seqlen_q > 0 and seqlen_kv > 0:
+        s = balance_factors(q, k)
+        q, k = q * _repeat_heads(s, group).unsqueeze(-2), k * s.reciprocal().unsqueeze(-2)
     q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
-    k_q, k_scale = quantize_int8(k, k_center, tokens_per_scale=KEY_TOKENS_PER_SCALE)
+    k_q, k_scale = quantize_int8(k, tokens_per_scale=KEY_TOKENS_PER_SCALE)
     k_scale = k_scale.repeat_interleave(KEY_TOKENS_PER_SCALE, dim=-1)[..., :seqlen_kv]  # per key
-    return q_q, q_scale, _repeat_heads(k_q, group).float(), _repeat_heads(k_scale, group), k_center
+    return q_q, q_scale, _repeat_heads(k_q, group).float(), _repeat_heads(k_scale, group), k_center, bias
 
 
-def _logits(q_q, q_scale, k_q, k_scale):
+def _logits(q_q, q_scale, k_q, k_scale, bias=None):
     """Step 3: the base-2 logits of the rows of q_q against every key, and their scales c.
 
     |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them is
-    exact in any summation order (TF32 too: 8-bit integers fit its mantissa)."""
+    exact in any summation order (TF32 too: 8-bit integers fit its mantissa). With a key bias [..., Nkv] the
+    dequantization is the kernels' FMA, rounded once: the product of a 24-bit integer and 22-bit c is exact in
+    float64."""
     c = logit_scale(q_scale[..., None], k_scale[..., None, :])
-    return (q_q.float() @ k_q.transpose(-1, -2)) * c, c
+    dots = q_q.float() @ k_q.transpose(-1, -2)
+    if bias is None:
+        return dots * c, c
+    return torch.addcmul(bias.double().unsqueeze(-2), dots.double(), c.double()).float(), c
 
 
-def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True):
+def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True, smooth_q=False, balance_channels=False):
     """Steps 1 to 3 of the scheme (for tests and inspection): ``(logits, c)``, both fp32 [B, Hq, Nq, Nkv] (HND):
     the base-2 logits before any mask, and the scale ``c = logit_scale(q_scale[i], k_scale[j // 64])`` each
     was dequantized with, one integer step of its INT8 dot product."""
     q, k, _, group, sm_scale = _prepare(q, k, k, sm_scale, tensor_layout)  # no V: K stands in
-    q_q, q_scale, k_q, k_scale, _ = _quantized_operands(q, k, group, sm_scale, smooth_k)
-    return _logits(q_q, q_scale, k_q, k_scale)
+    q_q, q_scale, k_q, k_scale, _, bias = _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q,
+                                                              balance_channels)
+    return _logits(q_q, q_scale, k_q, k_scale, bias)
+
+
+def quantize_v(v):
+    """V for the INT8 P.V: ``(v_q, v_scale)``, int8 [..., N, D] and fp32 [..., ceil(N / 64), D]: v quantized by
+    quantize_int8's rule with one scale per (64-key block, channel):
+    ``v ~= v_q[..., n, d] * v_scale[..., n // 64, d]``."""
+    x = v.float()
+    seqlen = x.shape[-2]
+    blocks = -(-seqlen // KEY_TOKENS_PER_SCALE)
+    x = torch.nn.functional.pad(x, (0, 0, 0, blocks * KEY_TOKENS_PER_SCALE - seqlen))  # zero keys: no effect on amax
+    # Transposed to [..., blocks, D, 64] (K-major, as the kernels store V), each (block, channel) is one group.
+    v_q, v_scale = quantize_int8(x.unflatten(-2, (blocks, KEY_TOKENS_PER_SCALE)).transpose(-1, -2))
+    return v_q.transpose(-1, -2).flatten(-3, -2)[..., :seqlen, :], v_scale
+
+
+def _p_u8(s2, m_tile):
+    """``round(255 * 2^(s2 - m_tile))`` (as fp32 integers 0..255): P of a tile at the tile's max; 0 where masked."""
+    m_tile = torch.where(m_tile == -math.inf, torch.zeros_like(m_tile), m_tile)
+    return torch.round(P_U8_MAX * torch.exp2(s2 - m_tile))
+
+
+def int8_pv(s2, v_q, v_scale):
+    """The INT8 P.V in closed form for base-2 logits s2 [..., rows, Nkv] (-inf where masked), v_q [..., Nkv, D]
+    and v_scale [..., T, D] (quantize_v): ``(o, m, l)`` with the row max m [..., rows, 1] and
+    ``o = sum_t w_t (P_u8 @ V_q)_t v_scale[t]``, ``l = sum_t w_t rowsum(P_u8)_t``, ``w_t = 2^(m_t - m) / 255``:
+    what int8_pv_online computes tile by tile."""
+    seqlen, blocks = s2.shape[-1], v_scale.shape[-2]
+    pad = blocks * KEY_TOKENS_PER_SCALE - seqlen
+    tiles = torch.nn.functional.pad(s2, (0, pad), value=-math.inf).unflatten(-1, (blocks, KEY_TOKENS_PER_SCALE))
+    m_tile = tiles.amax(dim=-1, keepdim=True)  # [..., rows, T, 1]
+    p_u8 = _p_u8(tiles, m_tile)
+    v_tiles = torch.nn.functional.pad(v_q.float(), (0, 0, 0, pad)).unflatten(-2, (blocks, KEY_TOKENS_PER_SCALE))
+    acc = (p_u8.transpose(-2, -3) @ v_tiles).transpose(-2, -3)  # [..., rows, T, D]: integers < 2^24, exact
+    m = m_tile.amax(dim=-2) if blocks > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)  # [..., rows, 1]
+    w = torch.exp2(m_tile - torch.where(m == -math.inf, torch.zeros_like(m), m).unsqueeze(-1)) / P_U8_MAX
+    o = (acc * (w * v_scale.unsqueeze(-3))).sum(dim=-2)
+    l = (w * p_u8.sum(dim=-1, keepdim=True)).sum(dim=-2)
+    return o, m, l
+
+
+def int8_pv_online(s2, v_q, v_scale):
+    """The INT8 P.V of ``int8_pv`` as the kernels run it: key tiles in order, a running row max ``m``, and O and l
+    rescaled by ``2^(m_old - m)`` when a tile raises m (a factor 1 otherwise: the kernels skip it). Same arguments
+    and results ``(o, m, l)``; equal to the closed form up to fp32 rounding."""
+    rows = s2.shape[:-1]
+    m = s2.new_full(rows + (1,), -math.inf)
+    o = s2.new_zeros(rows + (v_q.shape[-1],))
+    l = s2.new_zeros(rows + (1,))
+    for t in range(v_scale.shape[-2]):
+        keys = slice(t * KEY_TOKENS_PER_SCALE, (t + 1) * KEY_TOKENS_PER_SCALE)
+        s = s2[..., keys]
+        m_tile = s.amax(dim=-1, keepdim=True)
+        m_new = torch.maximum(m, m_tile)
+        base = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        rescale = torch.exp2(m - base)
+        w = torch.exp2(m_tile - base) / P_U8_MAX
+        p_u8 = _p_u8(s, m_tile)  # u8 operand of the u8.s8 product
+        acc = p_u8 @ v_q[..., keys, :].float()  # int32 accumulators on the tensor cores
+        o = o * rescale + acc * (w * v_scale[..., t : t + 1, :])
+        l = l * rescale + w * p_u8.sum(dim=-1, keepdim=True)
+        m = m_new
+    return o, m, l
+
+
+def _pv_fp16(s2, v, dtype):
+    """Step 4's fp16/bf16 P.V at the final row max: ``(o, m, l)`` as int8_pv returns them (but m = 0, not -inf, in
+    rows without a key)."""
+    m = s2.amax(dim=-1, keepdim=True) if s2.shape[-1] > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # rows without a key: 2^(-inf - 0) = 0
+    p = torch.exp2(s2 - m)
+    return p.to(dtype).float() @ v, m, p.sum(dim=-1, keepdim=True)
 
 
 def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
-                             return_lse=False):
+                             return_lse=False, pv_precision="fp16", smooth_q=False, balance_channels=False):
     """The INT8 scheme of the module docstring, in PyTorch (any device). Same signature and outputs as
-    ``attention_int8.int8_attention_forward``: ``out`` (dtype and layout of q) or ``(out, lse)``."""
+    ``attention_int8.int8_attention_forward``: ``out`` (dtype and layout of q) or ``(out, lse)``. ``pv_precision``:
+    "fp16" (P.V in the input dtype, step 4) or "int8"; ``smooth_q``, ``balance_channels``: the options above."""
+    if pv_precision not in PV_PRECISIONS:
+        raise ValueError(f'pv_precision must be "fp16" or "int8", got {pv_precision!r}')
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
     batch, heads_q, seqlen_q, _ = q.shape
     seqlen_kv = k.shape[2]
-    q_q, q_scale, k_q, k_scale, k_center = _quantized_operands(q, k, group, sm_scale, smooth_k)
-    # P and V are fp16/bf16 values, exact in fp32/TF32: only the accumulation of P V rounds.
-    v = _repeat_heads(v, group).float()
+    q_q, q_scale, k_q, k_scale, k_center, bias = _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q,
+                                                                     balance_channels)
+    if pv_precision == "int8":
+        v_q, v_scale = (_repeat_heads(t, group) for t in quantize_v(v))
+    else:
+        # P and V are fp16/bf16 values, exact in fp32/TF32: only the accumulation of P V rounds.
+        v = _repeat_heads(v, group).float()
 
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     for start, stop in _row_chunks(batch, heads_q, seqlen_q, seqlen_kv):
-        s2, _ = _logits(q_q[:, :, start:stop], q_scale[:, :, start:stop], k_q, k_scale)
+        s2, _ = _logits(q_q[:, :, start:stop], q_scale[:, :, start:stop], k_q, k_scale, bias)
         visible = _visible(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
         if visible is not None:
             s2 = s2.masked_fill(~visible, -math.inf)
         has_key = _row_has_key(start, stop, seqlen_q, seqlen_kv, is_causal, q.device)
-        m = s2.amax(dim=-1, keepdim=True) if seqlen_kv > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)
-        m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # rows without a key: 2^(-inf - 0) = 0
-        p = torch.exp2(s2 - m)
-        row_sum = p.sum(dim=-1, keepdim=True)
-        o = (p.to(q.dtype).float() @ v) / row_sum
+        if pv_precision == "int8":
+            o, m, row_sum = int8_pv(s2, v_q, v_scale)
+        else:
+            o, m, row_sum = _pv_fp16(s2, v, q.dtype)
+        o = o / row_sum
         out[:, :, start:stop] = torch.where(has_key[:, None], o, torch.zeros_like(o))
         row_lse = (m + torch.log2(row_sum)).squeeze(-1) * math.log(2.0)
         lse[:, :, start:stop] = torch.where(has_key, row_lse, lse[:, :, start:stop])
