@@ -5,8 +5,12 @@ with a scale per block of 64 keys), the softmax is an online base-2 softmax in f
 fp16/bf16 with fp32 accumulation.
 
 * `int8_attention_forward`, `quantize_int8`, `key_center`: the ops (CUDA), with their argument checks;
+* `int8_attention_varlen`: the op on packed sequences of different lengths (FlashAttention's varlen form);
+* `sageattn`, `transformers_attention`: SageAttention's entry point (diffusers' `sage_hub`, ComfyUI) and a
+  transformers attention function (``attn_implementation="<org>/attention-int8:transformers_attention"``),
+  from `layers`;
 * `attention_int8.layers`: drop-in integrations (an SDPA-compatible function, a kernels-hub layer, a
-  diffusers processor);
+  diffusers processor and backend);
 * `attention_int8.reference`: the same scheme in plain PyTorch (CPU or GPU), and exact float64 attention.
 
 The source tree without a build (no generated `_ops.py`) offers `reference` only.
@@ -18,14 +22,16 @@ from . import reference
 from ._checks import SUPPORTED_HEAD_DIMS
 from .reference import KEY_TOKENS_PER_SCALE  # K's scale granularity (Q's: one token)
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "KEY_TOKENS_PER_SCALE", "int8_attention_forward", "quantize_int8", "key_center",
-           "layers", "reference"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "KEY_TOKENS_PER_SCALE", "int8_attention_forward", "int8_attention_varlen",
+           "quantize_int8", "key_center", "sageattn", "transformers_attention", "layers", "reference"]
 
-_NEED_BUILD = ("int8_attention_forward", "quantize_int8", "key_center", "layers", "ops")
+_NEED_BUILD = ("int8_attention_forward", "int8_attention_varlen", "quantize_int8", "key_center", "sageattn",
+               "transformers_attention", "layers", "ops")
 
 if importlib.util.find_spec(f"{__name__}._ops") is not None:
     from . import layers
-    from ._api import int8_attention_forward, key_center, quantize_int8
+    from ._api import int8_attention_forward, int8_attention_varlen, key_center, quantize_int8
+    from .layers import sageattn, transformers_attention
     from ._ops import ops
 
 

@@ -1,9 +1,11 @@
 """The public API: the attention op and the two pre-passes it is built from, checked and documented."""
 
-from ._checks import check_attention_inputs, check_key_center_inputs, check_quantize_inputs
+import torch
+
+from ._checks import check_attention_inputs, check_key_center_inputs, check_quantize_inputs, check_varlen_inputs
 from ._ops import ops
 
-__all__ = ["int8_attention_forward", "quantize_int8", "key_center"]
+__all__ = ["int8_attention_forward", "int8_attention_varlen", "quantize_int8", "key_center"]
 
 
 def _last_dim_contiguous(t):
@@ -41,6 +43,54 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     op = ops.int8_attention_forward_with_lse if return_lse else ops.int8_attention_forward
     return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k)
+
+
+def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
+                          sm_scale=None, return_lse=False):
+    """`int8_attention_forward` on a batch of sequences of different lengths, packed as in FlashAttention's
+    ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``[total_q, Hq, D]``, the queries of all sequences one after the other (CUDA, float16 or bfloat16).
+        k, v: ``[total_k, Hkv, D]``, likewise; ``Hq % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on q's device, the offsets of the sequences in q and in
+            k/v: sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. They start at 0, never decrease and
+            end at ``total_q`` / ``total_k``; a sequence may be empty.
+        max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
+        is_causal: bottom-right aligned within each sequence: its query i sees its key j iff
+            ``j <= i + N_k - N_q``; a query row that sees no key outputs 0 (LSE -inf).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        return_lse: also return the natural-log LSE, fp32 ``[Hq, total_q]`` (FlashAttention 2's varlen layout).
+
+    Returns:
+        ``out`` ``[total_q, Hq, D]`` in q's dtype, or ``(out, lse)``.
+
+    No token attends across sequences, and K's smoothing centre and scales are each sequence's own. This version
+    makes one dense call per sequence on views of the packed tensors (no copies of q, k, v; each sequence's output
+    is copied once into the packed result); reading cu_seqlens synchronizes with the GPU.
+    """
+    offsets_q, offsets_k = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               is_causal, sm_scale)
+    if offsets_q is None:  # meta tensors: shapes only
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        out, lse = per_sequence_attention(int8_attention_forward, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
+    return (out, lse) if return_lse else out
+
+
+def per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale):
+    """``(out [total_q, Hq, D], lse [Hq, total_q])`` of packed q, k, v with one call of `dense` (the signature of
+    `int8_attention_forward`, or the CPU reference) per sequence, on ``[1, N, H, D]`` views."""
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
+        out, lse = dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], is_causal=is_causal, sm_scale=sm_scale,
+                         tensor_layout="NHD", return_lse=True)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:  # no sequence at all
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
 def quantize_int8(x, mean=None, out_scale=1.0, tensor_layout="HND", tokens_per_scale=1):

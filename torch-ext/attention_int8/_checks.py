@@ -119,3 +119,56 @@ def check_key_center_inputs(k):
     """Raises unless k is a tensor (the op checks the rest)."""
     if error := _tensor_error("k", k):
         raise error
+
+
+def _cu_seqlens_error(name, cu, total, device):
+    """Why `cu` is not a valid cumulative-length tensor over `total` tokens (None if it is), and its values."""
+    if error := _tensor_error(name, cu):
+        return error, None
+    if cu.dtype != torch.int32:
+        return TypeError(f"{name} must be a torch.int32 tensor, got {cu.dtype}"), None
+    if cu.dim() != 1 or cu.numel() < 1:
+        return ValueError(f"{name} must be a 1-D tensor of B + 1 offsets, got shape {tuple(cu.shape)}"), None
+    if cu.device != device:
+        return ValueError(f"{name} must be on the device of q ({device}), got {cu.device}"), None
+    if device.type == "meta":  # shape inference has no values to check
+        return None, None
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        return ValueError(f"{name} must start at 0, got {offsets[0]}"), None
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        return ValueError(f"{name} must be non-decreasing, got {offsets}"), None
+    if offsets[-1] != total:
+        return ValueError(f"{name} must end at the number of packed tokens ({total}), got {offsets[-1]}"), None
+    return None, offsets
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale):
+    """Raises the error of the first rule the varlen op's arguments break; else returns the host copies of
+    cu_seqlens_q and cu_seqlens_k (lists of B + 1 offsets; None for meta tensors)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if error := _tensor_error(name, t):
+            raise error
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D packed tensor [total_tokens, H, D], got {t.dim()} dims")
+    # The per-sequence rules are the dense op's on a batch of one packed sequence ([1, total, H, D], NHD).
+    if error := attention_input_error(q[None], k[None], v[None], is_causal, sm_scale, "NHD", True):
+        raise error
+    offsets = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        error, values = _cu_seqlens_error(name, cu, total, q.device)
+        if error:
+            raise error
+        offsets.append(values)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    for name, bound, values in (("max_seqlen_q", max_seqlen_q, offsets[0]), ("max_seqlen_k", max_seqlen_k, offsets[1])):
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
+        longest = max((b - a for a, b in zip(values, values[1:])), default=0) if values is not None else 0
+        if bound < longest:
+            raise ValueError(f"{name} ({bound}) is less than the longest sequence ({longest})")
+    if error := device_error((q, k, v), ("q", "k", "v")):
+        raise error
+    return offsets
