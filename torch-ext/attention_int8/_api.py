@@ -2,10 +2,13 @@
 
 import torch
 
-from ._checks import check_attention_inputs, check_key_center_inputs, check_quantize_inputs, check_varlen_inputs
+from ._checks import (attention_input_error, check_attention_inputs, check_key_center_inputs, check_quantize_inputs,
+                      check_varlen_inputs)
 from ._ops import ops
+from .reference import int8_attention_reference
 
-__all__ = ["int8_attention_forward", "int8_attention_varlen", "quantize_int8", "key_center"]
+__all__ = ["int8_attention_forward", "int8_attention_varlen", "quantize_int8", "key_center", "flash_attn_func",
+           "flash_attn_varlen_func"]
 
 
 def _last_dim_contiguous(t):
@@ -69,13 +72,20 @@ def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     makes one dense call per sequence on views of the packed tensors (no copies of q, k, v; each sequence's output
     is copied once into the packed result); reading cu_seqlens synchronizes with the GPU.
     """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, return_lse,
+                   on_cpu=False)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, return_lse, on_cpu):
+    """`int8_attention_varlen`, on the kernel or (`on_cpu`) on the CPU reference."""
     offsets_q, offsets_k = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               is_causal, sm_scale)
+                                               is_causal, sm_scale, kernel_device=not on_cpu)
     if offsets_q is None:  # meta tensors: shapes only
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
-        out, lse = per_sequence_attention(int8_attention_forward, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
+        dense = int8_attention_reference if on_cpu else int8_attention_forward
+        out, lse = per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
     return (out, lse) if return_lse else out
 
 
@@ -121,3 +131,94 @@ def key_center(k, tensor_layout="HND"):
     if k.dim() == 4:
         k = _last_dim_contiguous(k)
     return ops.key_center(k, tensor_layout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashAttention 2's interface: what transformers calls on a hub kernel (attn_implementation="<org>/attention-int8")
+# ---------------------------------------------------------------------------------------------------------------
+
+def _on_cpu(*tensors):
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
+
+
+def _check_flash_options(dropout_p, window_size, softcap, alibi_slopes, s_aux, block_table=None):
+    """Raises ValueError on the first FlashAttention option whose value the INT8 op cannot honour."""
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (the INT8 kernel has no dropout), got {dropout_p}")
+    if not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size must be (-1, -1) (sliding windows are not supported), got {window_size!r}")
+    if softcap is not None and softcap != 0.0:
+        raise ValueError(f"softcap must be 0.0 (logit soft-capping is not supported), got {softcap}")
+    for name, value in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux), ("block_table", block_table)):
+        if value is not None:
+            raise ValueError(f"{name} must be None (it is not supported), got a {type(value).__name__}")
+
+
+def _seqlen_int(bound):
+    """A maximum sequence length as an int: transformers passes a one-element integer tensor for packed sequences."""
+    if isinstance(bound, torch.Tensor) and bound.numel() == 1 and not bound.is_floating_point() \
+            and bound.dtype != torch.bool:
+        return int(bound)
+    return bound
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, s_aux=None):
+    """FlashAttention 2's ``flash_attn_func`` on `int8_attention_forward` (layout NHD).
+
+    transformers calls it through its FlashAttention wrapper for a hub kernel loaded with
+    ``attn_implementation="<org>/attention-int8"``, on batches without padding.
+
+    Args:
+        q: ``[B, Nq, Hq, D]``; k, v: ``[B, Nkv, Hkv, D]`` with ``Hq % Hkv == 0``; float16 or bfloat16, D in
+            ``SUPPORTED_HEAD_DIMS``. CUDA tensors run the kernel; CPU tensors run
+            `attention_int8.reference.int8_attention_reference`, the same scheme in PyTorch (slow; for tests and
+            machines without a GPU).
+        softmax_scale: default ``1 / sqrt(D)``.
+        causal: bottom-right aligned, as in FlashAttention >= 2.1 (query i sees key j iff ``j <= i + Nkv - Nq``).
+        deterministic: accepted and without effect (FlashAttention uses it in its backward pass only).
+        return_attn_probs: also return the LSE, as FlashAttention does.
+        dropout_p, window_size, softcap, alibi_slopes, s_aux (attention sinks): only their defaults (0.0,
+            (-1, -1), 0.0, None, None) are supported; other values raise ValueError.
+
+    Returns:
+        ``out`` ``[B, Nq, Hq, D]``, or with `return_attn_probs` ``(out, lse, None)``: the natural-log LSE, fp32
+        ``[B, Hq, Nq]``, and None where FlashAttention returns its dropout pattern. No autograd.
+    """
+    _check_flash_options(dropout_p, window_size, softcap, alibi_slopes, s_aux)
+    if _on_cpu(q, k, v):
+        if error := attention_input_error(q, k, v, causal, softmax_scale, "NHD", True):
+            raise error
+        dense = int8_attention_reference
+    else:
+        dense = int8_attention_forward
+    result = dense(q, k, v, is_causal=causal, sm_scale=softmax_scale, tensor_layout="NHD",
+                   return_lse=return_attn_probs)
+    return (*result, None) if return_attn_probs else result
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, s_aux=None):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on `int8_attention_varlen`.
+
+    transformers calls it through its FlashAttention wrapper for a hub kernel loaded with
+    ``attn_implementation="<org>/attention-int8"``, on padded batches (unpadded into packed sequences) and packed
+    ones (``position_ids`` restarting per sequence); its signature tells transformers which keywords to pass.
+
+    Args:
+        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``; cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k:
+            as in `int8_attention_varlen` (the maximum lengths may also be one-element integer tensors). CUDA
+            tensors run the kernel; CPU tensors run the PyTorch reference per sequence (slow; for tests).
+        softmax_scale, causal, deterministic, return_attn_probs: as in `flash_attn_func` (causal is bottom-right
+            aligned within each sequence).
+        dropout_p, window_size, softcap, alibi_slopes, s_aux, block_table (a paged KV cache): only their defaults
+            are supported; other values raise ValueError.
+
+    Returns:
+        ``out`` ``[total_q, Hq, D]``, or with `return_attn_probs` ``(out, lse, None)``, lse fp32 ``[Hq, total_q]``.
+    """
+    _check_flash_options(dropout_p, window_size, softcap, alibi_slopes, s_aux, block_table)
+    result = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _seqlen_int(max_seqlen_q), _seqlen_int(max_seqlen_k),
+                     causal, softmax_scale, return_attn_probs, on_cpu=_on_cpu(q, k, v))
+    return (*result, None) if return_attn_probs else result

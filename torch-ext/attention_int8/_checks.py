@@ -143,9 +143,11 @@ def _cu_seqlens_error(name, cu, total, device):
     return None, offsets
 
 
-def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale):
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale,
+                        kernel_device=True):
     """Raises the error of the first rule the varlen op's arguments break; else returns the host copies of
-    cu_seqlens_q and cu_seqlens_k (lists of B + 1 offsets; None for meta tensors)."""
+    cu_seqlens_q and cu_seqlens_k (lists of B + 1 offsets; None for meta tensors). ``kernel_device=False`` leaves
+    out the device rule, for the CPU reference."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if error := _tensor_error(name, t):
             raise error
@@ -169,6 +171,6 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         longest = max((b - a for a, b in zip(values, values[1:])), default=0) if values is not None else 0
         if bound < longest:
             raise ValueError(f"{name} ({bound}) is less than the longest sequence ({longest})")
-    if error := device_error((q, k, v), ("q", "k", "v")):
+    if kernel_device and (error := device_error((q, k, v), ("q", "k", "v"))):
         raise error
     return offsets
