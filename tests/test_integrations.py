@@ -222,9 +222,13 @@ def test_processor_rejects_hunyuan_forms(layers):
 # transformers: transformers_attention in a Llama model
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_hub_string_resolves_the_function(ai8, monkeypatch):
+def test_hub_function_form_takes_the_flash_wrapper(ai8, monkeypatch):
+    """transformers prefers a kernel's flash_attn_varlen_func to the function the hub string names, so
+    ":transformers_attention" registers its FlashAttention wrapper over flash_attn_func / flash_attn_varlen_func
+    (tests/test_flash_compat.py runs it)."""
     hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
     from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     monkeypatch.setattr(hub_kernels, "get_kernel", lambda repo_id, **kwargs: ai8)
@@ -232,7 +236,7 @@ def test_hub_string_resolves_the_function(ai8, monkeypatch):
     monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
     monkeypatch.setattr(AttentionMaskInterface, "_global_mapping", dict(AttentionMaskInterface._global_mapping))
     assert hub_kernels.load_and_register_attn_kernel(name) is ai8
-    assert AttentionInterface._global_mapping[name] is ai8.transformers_attention
+    assert AttentionInterface._global_mapping[name] is flash_attention_forward
     assert AttentionMaskInterface._global_mapping[name] is flash_attention_mask  # 2-D key-padding masks
 
 
