@@ -249,13 +249,15 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
     `attention_mask`:
 
     * None: no padding;
-    * ``[B, Nkv]`` (bool or 0/1; what transformers builds for FlashAttention, and so for a hub kernel loaded with
-      ``attn_implementation="<org>/attention-int8:transformers_attention"``): the keys each row keeps (left or
+    * ``[B, Nkv]`` (bool or 0/1; what transformers builds for FlashAttention): the keys each row keeps (left or
       right padding); the query at key position ``Nkv - Nq + i`` is kept with its key. Each row runs on its kept
       tokens (causal counts kept tokens only) and padded query rows output 0, as FlashAttention's varlen path;
     * 4-D (an SDPA mask): `int8_scaled_dot_product_attention`'s rules (key-padding masks run the kernel).
 
-    Registered under a name of one's own it needs a mask function too, and FlashAttention's builds the 2-D mask::
+    Hub strings (``attn_implementation="<org>/attention-int8"``, with or without ``:<function>``) do not reach this
+    function: for them transformers runs its FlashAttention wrapper over `flash_attn_func` / `flash_attn_varlen_func`.
+    Registered under a name of one's own this function needs a mask function too, and FlashAttention's builds the
+    2-D mask::
 
         AttentionInterface.register("int8", transformers_attention)
         AttentionMaskInterface.register("int8", ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
