@@ -179,9 +179,9 @@ struct Sm90Mainloop {
     wgmma::fence_operands(s_int);
 
     if constexpr (kMasked) mask_logits(p, s_int, (n_begin + n_block) * Traits::kBlockN, rows);
-    softmax.template update_max<kMasked>(s_int, q.scale, k_scale);
+    const TileExponent exponent = softmax.template update_max<kMasked>(s_int, q.scale, k_scale);
     float probs[kSRegs];  // P overwrites S
-    softmax.template exponentiate<kMasked>(s_int, probs);
+    Sm90Softmax<Traits>::template exponentiate<kMasked>(exponent, s_int, probs);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
     // Pinning P first keeps NVVM from sinking the softmax below the wait (ptxas may still hoist the wait).
@@ -191,7 +191,7 @@ struct Sm90Mainloop {
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
     if constexpr (!kFirst) release_stage(n_block - 1);  // K_j-1 and V_j-1 are consumed
-    if constexpr (!kFirst) softmax.rescale_output(o_acc);  // on the first tile O is still 0
+    if constexpr (!kFirst) Sm90Softmax<Traits>::rescale_output(exponent, o_acc);  // on the first tile O is still 0
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk)
 #pragma unroll

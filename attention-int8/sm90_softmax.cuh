@@ -66,6 +66,14 @@ __device__ __forceinline__ void mask_logits(const AttentionParams& p, int32_t (&
 // 2^-gap ~ 0, well inside the INT8 logits' own uncertainty of many steps.
 // Maxima are balanced trees, both rows side by side: while the other warpgroups' wgmmas run, this warp is often
 // its scheduler's only eligible one.
+// A tile's exponent for the thread's two rows: the logit scale c, the FMA's bias, the rescale factor of O, and
+// magic - S_max (S plus this is the bit pattern of 1.5 * 2^23 + (S - S_max)). A value of one step, so that its
+// registers are free once the step's exponentials are done.
+struct TileExponent {
+  float c[2], bias[2], alpha[2];
+  uint32_t minus_max_bits[2];
+};
+
 template <typename Traits>
 struct Sm90Softmax {
   static constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
@@ -73,47 +81,47 @@ struct Sm90Softmax {
   static constexpr float kRescaleSlack = 8.f;
 
   float row_max[2] = {-INFINITY, -INFINITY};  // m of the thread's two rows
-  // The current tile's: each row's logit scale c, exponent bias, rescale factor of O, and magic - S_max (S plus
-  // this is the bit pattern of 1.5 * 2^23 + (S - S_max)).
-  float c[2], bias[2], alpha[2];
-  uint32_t minus_max_bits[2];
 
-  // Takes the tile's row maxima of S, moves the running max where the lazy rule says so, and sets up the tile's
+  // Takes the tile's row maxima of S, moves the running max where the lazy rule says so, and returns the tile's
   // exponent. A masked tile can be all masked; before it, unmasked tiles have made every row max finite.
   template <bool kMasked>
-  __device__ __forceinline__ void update_max(const int32_t (&s_int)[kSRegs], const float (&q_scale)[2], float k_scale) {
+  __device__ __forceinline__ TileExponent update_max(const int32_t (&s_int)[kSRegs], const float (&q_scale)[2],
+                                                     float k_scale) {
     int32_t tile_max_int[2] = {accumulator_row_max<0>(s_int), accumulator_row_max<1>(s_int)};
     ptx::quad_reduce(tile_max_int, [](int32_t a, int32_t b) { return max(a, b); });
+    TileExponent e;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const ptx::SmallIntScale logit(quant::logit_scale(q_scale[r], k_scale));
-      c[r] = logit.scale;
+      e.c[r] = logit.scale;
       const float tile_max = kMasked && tile_max_int[r] == kMaskedLogit ? -INFINITY : logit(tile_max_int[r]);
       const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
       const float base = kMasked ? exponent_base(m_new) : m_new;
-      alpha[r] = rescale_factor(row_max[r], base);
+      e.alpha[r] = rescale_factor(row_max[r], base);
       row_max[r] = m_new;
-      bias[r] = logit.neg_magic_scale + (tile_max - base);
-      minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
+      e.bias[r] = logit.neg_magic_scale + (tile_max - base);
+      e.minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
     }
+    return e;
   }
 
   // P = 2^(l - m) of every logit (masked keys: 0).
   template <bool kMasked>
-  __device__ __forceinline__ void exponentiate(const int32_t (&s_int)[kSRegs], float (&p)[kSRegs]) const {
+  __device__ __forceinline__ static void exponentiate(const TileExponent& e, const int32_t (&s_int)[kSRegs],
+                                                      float (&p)[kSRegs]) {
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) {
       const int r = wgmma::accumulator_row(i);
-      p[i] = ptx::exp2_approx(fmaf(__uint_as_float(uint32_t(s_int[i]) + minus_max_bits[r]), c[r], bias[r]));
+      p[i] = ptx::exp2_approx(fmaf(__uint_as_float(uint32_t(s_int[i]) + e.minus_max_bits[r]), e.c[r], e.bias[r]));
       if constexpr (kMasked) p[i] = s_int[i] == kMaskedLogit ? 0.f : p[i];
     }
   }
 
   // O (with its sum columns) follows a moved max; a warp where no row's max moved skips the multiplies.
-  __device__ __forceinline__ void rescale_output(float (&o_acc)[kORegs]) const {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+  __device__ __forceinline__ static void rescale_output(const TileExponent& e, float (&o_acc)[kORegs]) {
+    if (__any_sync(0xffffffffu, e.alpha[0] != 1.f || e.alpha[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < kORegs; ++i) o_acc[i] *= alpha[wgmma::accumulator_row(i)];
+      for (int i = 0; i < kORegs; ++i) o_acc[i] *= e.alpha[wgmma::accumulator_row(i)];
     }
   }
 };
