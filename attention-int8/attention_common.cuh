@@ -26,6 +26,12 @@ __device__ __forceinline__ bool keys_need_mask(const AttentionParams& p, int key
   return key0 + keys > p.seqlen_kv || (p.causal && key0 + keys - 1 > first_row + causal_offset(p));
 }
 
+// A query row of a tile: rows below 0 (the Hopper kernel's block 0 under the causal row_shift) and from seqlen_q on
+// hold no query.
+__device__ __forceinline__ bool is_query_row(const AttentionParams& p, int row) {
+  return uint32_t(row) < uint32_t(p.seqlen_q);
+}
+
 // Key tiles of block_n keys that query rows below row_end see (rows past seqlen_q count as the last row).
 __device__ __forceinline__ int visible_key_blocks(const AttentionParams& p, int row_end, int block_n) {
   int key_end = p.seqlen_kv;

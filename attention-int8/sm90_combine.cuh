@@ -8,7 +8,6 @@
 #include "attention_common.cuh"
 #include "attention_int8.h"
 #include "ptx.cuh"
-#include "sm90_q_tile.cuh"
 #include "sm90_tile_scheduler.cuh"
 
 namespace attention_int8 {

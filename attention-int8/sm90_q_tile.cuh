@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "attention_common.cuh"
 #include "attention_int8.h"
 #include "ptx.cuh"
 #include "quant_math.cuh"
@@ -31,11 +32,6 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits, __half) {
 }
 __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&bits));
-}
-
-// A query row of a tile: rows below 0 (block 0 under the causal row_shift) and from seqlen_q on hold no query.
-__device__ __forceinline__ bool is_query_row(const AttentionParams& p, int row) {
-  return uint32_t(row) < uint32_t(p.seqlen_q);
 }
 
 // The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows that hold no query, and
