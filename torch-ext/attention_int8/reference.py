@@ -190,7 +190,8 @@ def balance_factors(q, k):
     rows center_sample picks (of every query head the K/V head serves). Q's channel times s and K's times 1 / s
     keep q . k (up to fp32 rounding) and give both quantizers the channel range ``sqrt(max|q_c| max|k_c|)``.
     s is 1 where either maximum is 0 or not finite, and where it would lie within BALANCE_MIN_FACTOR of 1:
-    reweighting already balanced channels by sampling noise costs accuracy (standard normal: rel L1 +5%)."""
+    reweighting channels that are already balanced, by sampling noise alone, costs accuracy (docs/DESIGN.md,
+    rationale)."""
     q_max = q[..., center_sample(q.shape[-2], q.device), :].abs().amax(dim=-2)
     q_max = q_max.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1])).amax(dim=2)
     k_max = k[..., center_sample(k.shape[-2], k.device), :].abs().amax(dim=-2)
