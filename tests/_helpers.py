@@ -146,6 +146,20 @@ def make_qkv(case, device="cpu", generator=None):
     return tuple(to_layout(t.to(case.dtype), case.layout) for t in (q, k, v))
 
 
+def activation_inputs(k_outliers=0, q_offset=0, seqlen=1024, rows=256, head_dim=128, device="cpu", generator=None):
+    """Fresh fp16 q [1, 2, rows, D], k, v [1, 2, seqlen, D] of real activations' two hard classes (issue 46):
+    K with 4 random outlier channels `k_outliers` times the others' scale, and Q plus a shared offset of
+    `q_offset` * randn(D) (0: that class off)."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    q, k, v = randn(1, 2, rows, head_dim), randn(1, 2, seqlen, head_dim), randn(1, 2, seqlen, head_dim)
+    if k_outliers:
+        k[..., torch.randperm(head_dim, generator=generator, device=device)[:4]] *= k_outliers
+    q = q + q_offset * randn(1, 2, 1, head_dim)
+    return q.half(), k.half(), v.half()
+
+
 CENTER_KINDS = ("k_offset", "sinks", "ties", "inf", "nan")
 
 

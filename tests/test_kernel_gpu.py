@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from _helpers import (CENTER_KINDS, COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, Case, accuracy_failures,
-                      center_inputs, check_case, check_quantize, kernel_params, make_qkv, metrics, poison_like,
-                      reference_failures, lse_ref_atol, select_kernel, to_layout)
+from _helpers import (CENTER_KINDS, COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, REL_L1_MAX, Case,
+                      accuracy_failures, activation_inputs, center_inputs, check_case, check_quantize, kernel_params,
+                      make_qkv, metrics, poison_like, reference_failures, lse_ref_atol, select_kernel, to_layout)
 from conftest import requires_cuda, requires_sm90
 
 pytestmark = requires_cuda
@@ -278,6 +278,30 @@ def test_smoothing_matters(ai8, monkeypatch, kernel, dtype):
            for smooth in (True, False)}
     # The reference measures ~0.009 with smoothing and ~0.055 without.
     assert err[True] <= 0.02 and err[False] >= 3 * err[True], err
+
+
+# Real activations' hard classes at several magnitudes (K outlier channels x, Q offset x randn(D)), fresh draws.
+# The kernels do not smooth Q or balance channels yet (issue 46), so they are held to the reference of their own
+# scheme, whose error against float64 is the residual these inputs cost today (RESULTS.md, "Accuracy on
+# structured inputs"): the bars hold only where that reference meets them.
+ACTIVATION_CLASSES = [(10, 0), (30, 0), (0, 3), (0, 5), (30, 5)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("k_outliers, q_offset", ACTIVATION_CLASSES)
+def test_real_activation_classes(ai8, monkeypatch, kernel, k_outliers, q_offset):
+    select_kernel(monkeypatch, kernel)
+    q, k, v = activation_inputs(k_outliers, q_offset, device="cuda")
+    out = ai8.int8_attention_forward(q, k, v)
+    ref = ai8.reference.int8_attention_reference(q, k, v)
+    exact = ai8.reference.attention_float64(q, k, v)
+    what = f"K outliers x{k_outliers}, Q offset x{q_offset}"
+    assert not reference_failures(out, ref, v, what), reference_failures(out, ref, v, what)
+    got, scheme = metrics(out, exact), metrics(ref, exact)
+    assert got["rel_l1"] <= 1.05 * scheme["rel_l1"] + 1e-4, (got, scheme)
+    assert 1 - got["cos"] <= 1.05 * (1 - scheme["cos"]) + 1e-5, (got, scheme)
+    if scheme["rel_l1"] <= 0.9 * REL_L1_MAX and scheme["cos"] >= COS_MIN:  # a margin: the kernel may be 5% off
+        assert not accuracy_failures(out, exact, what), accuracy_failures(out, exact, what)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 4])

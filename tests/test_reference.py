@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from _helpers import LSE_ATOL, Case, accuracy_failures, assert_accurate, center_inputs, lse_failures, make_qkv, metrics
+from _helpers import (LSE_ATOL, Case, accuracy_failures, activation_inputs, assert_accurate, center_inputs, lse_failures,
+                      make_qkv, metrics)
 
 # (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
 # mask (leading rows see no key), Nq < Nkv, and a long square case.
@@ -292,20 +293,6 @@ def test_option_accuracy(ai8, case, option):
     assert not failures, failures
 
 
-def _hard_inputs(kind, seqlen=1024, rows=256, head_dim=128, generator=None):
-    """fp16 q [1, 2, rows, D], k, v [1, 2, seqlen, D] of issue 46's classes: "k_outliers" (4 random K channels 30x
-    the others), "q_offset" (Q plus 5 randn(D) shared by its rows) or both ("k_outliers+q_offset")."""
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
-    q, k, v = randn(1, 2, rows, head_dim), randn(1, 2, seqlen, head_dim), randn(1, 2, seqlen, head_dim)
-    if "k_outliers" in kind:
-        k[..., torch.randperm(head_dim, generator=generator)[:4]] *= 30
-    if "q_offset" in kind:
-        q = q + 5 * randn(1, 2, 1, head_dim)
-    return q.half(), k.half(), v.half()
-
-
 # Issue 46's classes with both remedies, N = 1024, 256 rows: the residual (rel L1, cos) each is held to where the
 # bars (None) cannot hold. Measured, 25 fresh draws each (after, with fp16 / int8 P.V): Q + 5 randn(D) rel L1
 # <= 0.0077 / 0.0110 (before: 0.010-0.043); K channels 30x plus that offset <= 0.0142 / 0.0222 (before: up to
@@ -319,7 +306,7 @@ HARD_RESIDUALS = {("q_offset", "fp16"): None, ("q_offset", "int8"): None,
 
 @pytest.mark.parametrize("kind, pv_precision", list(HARD_RESIDUALS), ids="-".join)
 def test_remedies_on_hard_inputs(ai8, kind, pv_precision):
-    q, k, v = _hard_inputs(kind)
+    q, k, v = activation_inputs(k_outliers=30 if "k_outliers" in kind else 0, q_offset=5 if "q_offset" in kind else 0)
     exact = ai8.reference.attention_float64(q, k, v)
     run = ai8.reference.int8_attention_reference
     before = metrics(run(q, k, v, pv_precision=pv_precision), exact)
