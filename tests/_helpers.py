@@ -156,7 +156,8 @@ def activation_inputs(k_outliers=0, q_offset=0, seqlen=1024, rows=256, head_dim=
     q, k, v = randn(1, 2, rows, head_dim), randn(1, 2, seqlen, head_dim), randn(1, 2, seqlen, head_dim)
     if k_outliers:
         k[..., torch.randperm(head_dim, generator=generator, device=device)[:4]] *= k_outliers
-    q = q + q_offset * randn(1, 2, 1, head_dim)
+    if q_offset:
+        q = q + q_offset * randn(1, 2, 1, head_dim)
     return q.half(), k.half(), v.half()
 
 

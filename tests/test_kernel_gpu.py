@@ -296,12 +296,13 @@ def test_real_activation_classes(ai8, monkeypatch, kernel, k_outliers, q_offset)
     ref = ai8.reference.int8_attention_reference(q, k, v)
     exact = ai8.reference.attention_float64(q, k, v)
     what = f"K outliers x{k_outliers}, Q offset x{q_offset}"
-    assert not reference_failures(out, ref, v, what), reference_failures(out, ref, v, what)
+    failures = reference_failures(out, ref, v, what)
     got, scheme = metrics(out, exact), metrics(ref, exact)
-    assert got["rel_l1"] <= 1.05 * scheme["rel_l1"] + 1e-4, (got, scheme)
-    assert 1 - got["cos"] <= 1.05 * (1 - scheme["cos"]) + 1e-5, (got, scheme)
+    if got["rel_l1"] > 1.05 * scheme["rel_l1"] + 1e-4 or 1 - got["cos"] > 1.05 * (1 - scheme["cos"]) + 1e-5:
+        failures.append(f"{what}: {got} against the scheme's {scheme}")
     if scheme["rel_l1"] <= 0.9 * REL_L1_MAX and scheme["cos"] >= COS_MIN:  # a margin: the kernel may be 5% off
-        assert not accuracy_failures(out, exact, what), accuracy_failures(out, exact, what)
+        failures += accuracy_failures(out, exact, what)
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("splits", [2, 3, 4])
