@@ -56,6 +56,15 @@ __device__ __forceinline__ float rescale_factor(float m_old, float base) { retur
 // 1 / l for the output's normalization: a row that saw no key (l = 0) writes zeros, and a NaN sum stays NaN.
 __device__ __forceinline__ float inverse_row_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
+// Where query row `row` of query head `head` of a batch keeps its LSE, with batch_head = batch * heads_q + head:
+// [B, Hq, seqlen_q], or for packed sequences [Hq, total_q] from the sequence's first row (narrow_to_sequence moves
+// p.lse there).
+template <bool kPacked>
+__device__ __forceinline__ float* lse_slot(const AttentionParams& p, int64_t batch_head, int head, int row) {
+  if constexpr (kPacked) return p.lse + (int64_t(head) * p.packed_q.total_rows + row);
+  return p.lse + (batch_head * p.seqlen_q + row);
+}
+
 // The natural-log log-sum-exp of a row from its base-2 max and sum, plus the logit shift K smoothing took out of
 // the row (sm_scale * q_row . k_centre, 0 without smoothing): -inf for a row that saw no key.
 __device__ __forceinline__ float natural_lse(float max_log2, float sum, float smoothing_shift) {

@@ -17,6 +17,7 @@
 #include "attention_int8.h"
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
+#include "packed_sequences.cuh"
 #include "ptx.cuh"
 #include "quant_math.cuh"
 
@@ -43,6 +44,10 @@ __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, in
   }
 }
 
+// The CTA's query block: the grid's x index counted down, so the longest causal rows start first (better tail
+// balance).
+__device__ __forceinline__ int query_block() { return gridDim.x - 1 - blockIdx.x; }
+
 template <typename Traits>
 struct SmemLayout {
   char* q;
@@ -67,8 +72,9 @@ __device__ __forceinline__ void load_kv_tile_async(const SmemLayout<Traits>& sme
       v_row_stride * int64_t(sizeof(Elem)), seqlen_kv - n0, tid);
 }
 
+// The CTA's query block of its (batch, head): kBlockM rows against every key they see.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const AttentionParams p) {
+__device__ __forceinline__ void attention_tile(const AttentionParams& p) {
   using Elem = typename Traits::Elem;
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN, T = Traits::kThreads;
 
@@ -77,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, tig = lane % 4;  // accumulator row group and thread-in-group
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first: better tail balance
+  const int m_block = query_block();
   const int head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int m0 = m_block * BM;
@@ -275,9 +281,19 @@ __global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const A
       }
       if (p.lse != nullptr && tig == 0) {
         const float shift = p.q_center_dot != nullptr ? p.sm_scale * p.q_center_dot[bh_q * p.seqlen_q_pad + row] : 0.f;
-        p.lse[bh_q * p.seqlen_q + row] = natural_lse(row_max[mt][r], sum, shift);
+        *lse_slot<Traits::kPacked>(p, bh_q, head, row) = natural_lse(row_max[mt][r], sum, shift);
       }
     }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) attention_fwd_kernel(const AttentionParams p) {
+  if constexpr (Traits::kPacked) {  // the grid covers the longest sequence
+    const AttentionParams sequence = narrow_to_sequence<typename Traits::Elem>(p, blockIdx.z);
+    if (query_block() * Traits::kBlockM < sequence.seqlen_q) attention_tile<Traits>(sequence);
+  } else {
+    attention_tile<Traits>(p);
+  }
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "attention_int8.h"
 #include "dispatch.cuh"
 #include "kernel_traits.cuh"
+#include "packed_sequences.cuh"
 #include "ptx.cuh"
 #include "sm90_combine.cuh"
 #include "sm90_epilogue.cuh"
@@ -35,10 +36,10 @@
 namespace attention_int8 {
 namespace {
 
+// The CTA's work tile (sm90_tile_scheduler.cuh). The sequence's keys start at row v_key0 of v_map (packed sequences;
+// 0 for a dense batch).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
-    attention_fwd_sm90_kernel(const AttentionParams p, const __grid_constant__ CUtensorMap v_map) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void attention_work_tile(const AttentionParams& p, const CUtensorMap* v_map, int v_key0) {
   constexpr int kRows = Traits::kConsumerRows, kORegs = Traits::kOAccRegs;
   static_assert(kQTileBarrier<Traits> + Traits::kConsumers <= 16, "named barrier ids run out");
 
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const WorkTile work = work_tile<Traits>(p, blockIdx.x);
   // The combine kernel (split tiles only) may take the SMs this grid's last wave frees.
   if (p.schedule.split_tiles > 0) ptx::allow_dependents();
-  const int head = work.head, batch = work.batch;
+  const int head = work.head, batch = work.batch, v_batch = Traits::kPacked ? 0 : batch;
   const int head_kv = int(fast_div(uint32_t(head), p.schedule.head_group));
   const int m0 = p.schedule.block_row0(work.m_block);  // negative in block 0 under the causal row_shift
   const int64_t bh_kv = int64_t(batch) * p.heads_kv + head_kv;
@@ -98,8 +99,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0) {
       ptx::wait_for_predecessor();  // K and its scales come from the quantizer
-      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes, &v_map, head_kv, batch, n_begin,
-                            n_blocks);
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes, v_map, v_key0, head_kv, v_batch,
+                            n_begin, n_blocks);
     }
     return;
   }
@@ -125,6 +126,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   const Sm90Epilogue<Traits> epilogue{p, batch, head, m0, warp_row0, rows, group, tig, lane};
   epilogue.store(o_acc, softmax.row_max, q, work.partial_row0, smem.o_tile(consumer * 4 + warp_in_group));
+}
+
+// Packed sequences: the grid covers the longest sequence, and the causal row_shift is each sequence's own. The
+// V map spans the packed rows as one batch.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    attention_fwd_sm90_kernel(const AttentionParams p, const __grid_constant__ CUtensorMap v_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (Traits::kPacked) {
+    const TileCoords tile = tile_coords(p.schedule, blockIdx.x);
+    AttentionParams sequence = narrow_to_sequence<typename Traits::Elem>(p, tile.batch);
+    sequence.schedule.row_shift =
+        TileSchedule::row_shift_of(p.causal, sequence.seqlen_q, Traits::kBlockM, Traits::kConsumerRows);
+    if (sequence.schedule.block_row0(tile.m_block) >= sequence.seqlen_q) return;
+    attention_work_tile<Traits>(sequence, &v_map, sequence_span(p.packed_kv, tile.batch, p.seqlen_kv).start);
+  } else {
+    attention_work_tile<Traits>(p, &v_map, 0);
+  }
 #else
   __trap();  // only the sm_90a build has wgmma; the host launches this kernel only on compute capability 9.0
 #endif
@@ -147,7 +166,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // V [B, Hkv, seqlen_kv, D] through its strides as a 4-D TMA tensor (innermost first: channel, key,
-// head, batch), read in boxes of 64 keys x kVBoxChannels channels with the 128-byte swizzle.
+// head, batch), read in boxes of 64 keys x kVBoxChannels channels with the 128-byte swizzle. Packed sequences are
+// one batch of all the packed keys (TMA takes no zero stride).
 template <typename Traits>
 cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
   *map = CUtensorMap{};
@@ -155,11 +175,13 @@ cudaError_t encode_v_map(const AttentionParams& p, CUtensorMap* map) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   constexpr uint64_t kElemBytes = sizeof(typename Traits::Elem);
-  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seqlen_kv), cuuint64_t(p.heads_kv),
-                              cuuint64_t(p.batch)};
+  const bool packed = p.packed_kv.cu_seqlens != nullptr;
+  const int64_t keys = packed ? p.packed_kv.total_rows : p.seqlen_kv;
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(keys), cuuint64_t(p.heads_kv),
+                              cuuint64_t(packed ? 1 : p.batch)};
   const cuuint64_t strides[3] = {cuuint64_t(p.v_view.row_stride) * kElemBytes,
                                  cuuint64_t(p.v_view.head_stride) * kElemBytes,
-                                 cuuint64_t(p.v_view.batch_stride) * kElemBytes};
+                                 cuuint64_t(packed ? keys * p.v_view.row_stride : p.v_view.batch_stride) * kElemBytes};
   const cuuint32_t box[4] = {Traits::kVBoxChannels, Traits::kBlockN, 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult res = encode(map,

@@ -48,6 +48,15 @@ struct RowMajorView {
   int64_t row_stride;
 };
 
+// A batch of sequences of different lengths packed one after the other (FlashAttention's varlen form): sequence b
+// is rows cu_seqlens[b] .. cu_seqlens[b + 1] of a [total_rows, H, D] tensor, seen through a view whose batch stride
+// is 0. The params' seqlen is then the longest sequence's, which sizes the grids and the padded workspaces, and each
+// CTA first narrows its params to its own sequence (packed_sequences.cuh).
+struct PackedSequences {
+  const int* cu_seqlens = nullptr;  // [batch + 1] int32 on the device; nullptr: a dense batch
+  int total_rows = 0;
+};
+
 // Symmetric INT8 quantization of Q (or K) read from the user's layout, one scale per group of
 // `tokens_per_scale` consecutive tokens (1: per token, for Q; kKeyScaleTokens: per key block, for K):
 //   x_q[b,h,n,:] = round(x[b,h,n,:] * 127 / amax),   scale[b,h,n / tokens_per_scale] = amax / 127 * out_scale,
@@ -160,7 +169,7 @@ struct AttentionParams {
   RowMajorView v_view;
   void* o;                // rows 16-byte aligned (the binding allocates O dense)
   RowMajorView o_view;
-  float* lse;             // [B, Hq, seqlen_q] natural-log log-sum-exp, or nullptr
+  float* lse;             // natural-log log-sum-exp, or nullptr: [B, Hq, seqlen_q], packed [Hq, total_q] (lse_slot)
   // With lse and a smoothed K, both kernels' epilogues add the shift sm_scale * (q_i . k_center) that smoothing
   // took out of row i's logits back to its LSE. The sm90 kernel dots its raw Q rows with K's centre k_center
   // ([B, Hkv, D] fp32); the portable kernel reads q_center_dot ([B, Hq, seqlen_q_pad] fp32, the Q quantizer's
@@ -176,6 +185,10 @@ struct AttentionParams {
   SplitRowStats* row_stats;  // [schedule.partial_rows()]
   bool programmatic_launch;  // start under the K quantizer's tail (sm_90+, dispatch.cuh)
   ElemType dtype;
+  // Packed sequences: Q, O and LSE rows by packed_q, V rows by packed_kv (both set or neither); the quantized Q and
+  // K stay padded per sequence, and no tile is split. (Last in the struct: fields before them keep their offsets,
+  // and the dense kernels their code.)
+  PackedSequences packed_q, packed_kv;
 };
 
 // K's smoothing centre, center[b, h, :]: the mean of a sample of K's rows (keys) without the sample's outliers.
@@ -193,7 +206,7 @@ struct AttentionParams {
 struct KeyCenterParams {
   const void* x;
   RowMajorView x_view;
-  float* center;  // [B, H, D]
+  float* center;  // [B, H, D]; a packed sequence (launch_key_center) without keys gets zeros
   int batch, heads, seqlen, head_dim;
   ElemType dtype;
 };
@@ -211,15 +224,19 @@ __host__ __device__ constexpr int64_t center_sample_key(int64_t i, int64_t seqle
   return first + ((fraction * (end - first)) >> 16);
 }
 
-cudaError_t launch_key_center(const KeyCenterParams& params, cudaStream_t stream);
-cudaError_t launch_quantize(const QuantizeParams& params, cudaStream_t stream);
+// `packed`: x's sequences, or none (cu_seqlens nullptr) for a dense batch. The quantizer's output stays padded: one
+// seqlen_pad block of rows per sequence. (Beside the params rather than in them: a larger QuantizeParams changes
+// the dense quantizer's code.)
+cudaError_t launch_key_center(const KeyCenterParams& params, const PackedSequences& packed, cudaStream_t stream);
+cudaError_t launch_quantize(const QuantizeParams& params, const PackedSequences& packed, cudaStream_t stream);
 // Runs params.kernel (choose_attention_kernel); the two below are its cases.
 cudaError_t launch_attention_forward(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_portable(const AttentionParams& params, cudaStream_t stream);
 cudaError_t launch_attention_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 // The sm90 kernel's grid for `params` (its shape fields set) on a GPU of sm_count SMs and l2_bytes of L2: splits
 // only the last, partial wave, unless forced_splits > 0 splits every tile that many ways (a test hook; capped by
-// kMaxKvSplits and the key tiles). Never splits causal attention; orders its tiles in chunks of heads instead.
+// kMaxKvSplits and the key tiles). Never splits causal attention (it orders its tiles in chunks of heads instead)
+// or packed sequences.
 TileSchedule tile_schedule_sm90(const AttentionParams& params, int sm_count, int64_t l2_bytes, int forced_splits);
 
 }  // namespace attention_int8

@@ -49,12 +49,20 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// f(std::true_type{}) for packed sequences, f(std::false_type{}) for a dense batch.
+template <typename F>
+cudaError_t dispatch_packed(const AttentionParams& p, F&& f) {
+  return p.packed_q.cu_seqlens != nullptr ? f(std::true_type{}) : f(std::false_type{});
+}
+
 // The portable kernel's traits for p: f(Traits{}).
 template <typename F>
 cudaError_t dispatch_portable_traits(const AttentionParams& p, F&& f) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      return f(AttentionKernelTraits<decltype(head_dim)::value, decltype(elem)>{});
+      return dispatch_packed(p, [&](auto packed) {
+        return f(AttentionKernelTraits<decltype(head_dim)::value, decltype(elem), decltype(packed)::value>{});
+      });
     });
   });
 }
@@ -65,12 +73,15 @@ template <typename F>
 cudaError_t dispatch_sm90_traits(const AttentionParams& p, F&& f) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      constexpr int D = decltype(head_dim)::value;
-      using Elem = decltype(elem);
-      if constexpr (Sm90AttentionKernelTraits<D, Elem>::kMmaDim == 128) {
-        if (!p.causal) return f(Sm90AttentionKernelTraits<D, Elem, /*kTakeTurns=*/true>{});
-      }
-      return f(Sm90AttentionKernelTraits<D, Elem>{});
+      return dispatch_packed(p, [&](auto packed) {
+        constexpr int D = decltype(head_dim)::value;
+        constexpr bool kPacked = decltype(packed)::value;
+        using Elem = decltype(elem);
+        if constexpr (Sm90AttentionKernelTraits<D, Elem>::kMmaDim == 128) {
+          if (!p.causal) return f(Sm90AttentionKernelTraits<D, Elem, /*kTakeTurns=*/true, kPacked>{});
+        }
+        return f(Sm90AttentionKernelTraits<D, Elem, /*kTakeTurns=*/false, kPacked>{});
+      });
     });
   });
 }

@@ -9,11 +9,14 @@
 namespace attention_int8 {
 
 // Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp, the fastest measured for every head dim
-// (docs/DESIGN.md, rationale); 32-key tiles keep the D = 96/128 accumulators in registers.
-template <int kHeadDim_, typename Elem_, int kMTiles_ = 2, int kBlockN_ = (kHeadDim_ <= 64 ? 64 : 32)>
+// (docs/DESIGN.md, rationale); 32-key tiles keep the D = 96/128 accumulators in registers. kPacked: the params
+// describe packed sequences (PackedSequences), to which each CTA first narrows them.
+template <int kHeadDim_, typename Elem_, bool kPacked_ = false, int kMTiles_ = 2,
+          int kBlockN_ = (kHeadDim_ <= 64 ? 64 : 32)>
 struct AttentionKernelTraits {
   using Elem = Elem_;  // __half or __nv_bfloat16: V, P and O
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kPacked = kPacked_;
   static constexpr int kBlockM = 128;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
@@ -67,11 +70,13 @@ struct AttentionKernelTraits {
 // one warp per other consumer. At D = 128 three consumers (160 registers a thread) fit 64-key S and P tiles
 // next to O. At D = 64, whose wgmmas are half as long and whose O is half the size, a fourth consumer (112
 // registers) keeps one more softmax in flight (docs/DESIGN.md, rationale).
-template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3),
-          int kBlockN_ = 64, int kStages_ = 4>
+// kPacked as in the portable kernel's traits.
+template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, bool kPacked_ = false,
+          int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3), int kBlockN_ = 64, int kStages_ = 4>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;  // the data's: Q, V and O rows, K's centre
+  static constexpr bool kPacked = kPacked_;
   // The matrix products' head dim: an INT8 row must be one 64- or 128-byte swizzle row, so D = 96 runs as 128 on
   // rows padded with zeros (sm90_row_bytes), for 4/3 of the matrix work.
   static constexpr int kMmaDim = sm90_row_bytes(kHeadDim);

@@ -9,6 +9,7 @@
 
 #include "attention_int8.h"
 #include "dispatch.cuh"
+#include "packed_sequences.cuh"
 #include "ptx.cuh"
 #include "quant_math.cuh"
 #include "swizzle.cuh"
@@ -246,8 +247,9 @@ __device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bo
 // Each warp takes kRowIters groups of rows and issues all their loads before quantizing any: a
 // memory-bound kernel needs those bytes in flight, and it keeps them as raw 16-byte chunks (4 registers a
 // row, against 8 as fp32). The rows are the user's input, so they load before the wait for the
-// predecessor (under programmatic launch, while K's centre is still being computed).
-template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial>
+// predecessor (under programmatic launch, while K's centre is still being computed). Packed sequences skip the
+// prefetch: the block one wave later is another sequence's, at offsets this block does not know.
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial, bool kPacked>
 __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
@@ -264,7 +266,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) load_chunk<false>(p, rows[it], chunk, e8[it]);
   }
-  prefetch_block_ahead<kHeadDim, Elem>(p, aligned);
+  if constexpr (!kPacked) prefetch_block_ahead<kHeadDim, Elem>(p, aligned);
   ptx::wait_for_predecessor();  // K's centre (a no-op unless launched as its dependent)
   float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
   if (chunk < Shape::kChunks) {
@@ -315,15 +317,24 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
 
 // All blocks but a head's last hold whole rows of data (and D = 64 / 128 leave no lane idle): they take
 // the path without per-row checks, which saves selects on every element of an issue-bound kernel.
-template <int kHeadDim, typename Elem, int kTokensPerScale>
-__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p) {
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
+__device__ __forceinline__ void quantize_rows(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
   ptx::allow_dependents();  // the attention kernel may take the SMs this grid's last wave frees
   if (whole) {
-    quantize_block<kHeadDim, Elem, kTokensPerScale, false>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, false, kPacked>(p);
   } else {
-    quantize_block<kHeadDim, Elem, kTokensPerScale, true>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, true, kPacked>(p);
+  }
+}
+
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
+__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p, const PackedSequences packed) {
+  if constexpr (kPacked) {  // one block of rows per sequence, as long as the longest
+    quantize_rows<kHeadDim, Elem, kTokensPerScale, true>(narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z));
+  } else {
+    quantize_rows<kHeadDim, Elem, kTokensPerScale, false>(p);
   }
 }
 
@@ -360,7 +371,7 @@ __device__ __forceinline__ double channel_total(const Elem (&e8)[kRows][kChunkEl
 // mean, each row's distance from it, and the sum of the rows left out, which the total less it gives the
 // kept rows' sum (a second pass over all rows only where a total is not finite).
 template <int kHeadDim, typename Elem>
-__global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const KeyCenterParams p) {
+__device__ __forceinline__ void key_center_block(const KeyCenterParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   constexpr int kRowGroups = kCenterThreads / Shape::kLanes;
   constexpr int kRows = kCenterSampleKeys / kRowGroups;  // a thread's sample rows: group + kRowGroups * i
@@ -368,7 +379,6 @@ __global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const Key
   __shared__ float plain_mean[kHeadDim];
   __shared__ alignas(16) uint32_t distance_bits[kCenterSampleKeys];
   __shared__ bool kept_row[kCenterSampleKeys];
-  ptx::allow_dependents();  // the K quantizer launches now and loads its rows while this runs
   const int b = blockIdx.z, h = blockIdx.y, chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
   const int n = min(p.seqlen, kCenterSampleKeys), trim = n / kCenterTrimDivisor;
   const bool aligned = rows_aligned<Elem>(p.x, p.x_view);
@@ -444,20 +454,39 @@ __global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const Key
     p.center[(int64_t(b) * p.heads + h) * kHeadDim + threadIdx.x] = __double2float_rn(kept_sum / kept_rows);
 }
 
+template <int kHeadDim, typename Elem, bool kPacked>
+__global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const KeyCenterParams p, const PackedSequences packed) {
+  ptx::allow_dependents();  // the K quantizer launches now and loads its rows while this runs
+  if constexpr (kPacked) {
+    const KeyCenterParams sequence = narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z);
+    if (sequence.seqlen > 0) {
+      key_center_block<kHeadDim, Elem>(sequence);
+    } else if (threadIdx.x < kHeadDim) {  // no key: nothing to centre, and nothing the centre could move
+      p.center[(int64_t(blockIdx.z) * p.heads + blockIdx.y) * kHeadDim + threadIdx.x] = 0.f;
+    }
+  } else {
+    key_center_block<kHeadDim, Elem>(p);
+  }
+}
+
 }  // namespace
 
-cudaError_t launch_key_center(const KeyCenterParams& p, cudaStream_t stream) {
+cudaError_t launch_key_center(const KeyCenterParams& p, const PackedSequences& packed, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads == 0 || p.seqlen == 0) return cudaErrorInvalidValue;
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      key_center_kernel<decltype(head_dim)::value, decltype(elem)><<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p);
+      constexpr int kHeadDim = decltype(head_dim)::value;
+      using Elem = decltype(elem);
+      const auto kernel = packed.cu_seqlens != nullptr ? key_center_kernel<kHeadDim, Elem, true>
+                                                         : key_center_kernel<kHeadDim, Elem, false>;
+      kernel<<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p, packed);
       return cudaGetLastError();
     });
   });
 }
 
-cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
+cudaError_t launch_quantize(const QuantizeParams& p, const PackedSequences& packed, cudaStream_t stream) {
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
   if (p.tokens_per_scale != 1 && p.tokens_per_scale != kKeyScaleTokens) return cudaErrorInvalidValue;
   if (p.tokens_per_scale != 1 && p.dot_vec != nullptr) return cudaErrorInvalidValue;  // row_dot is per token
@@ -467,9 +496,12 @@ cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
     const dim3 grid(ceil_div(p.seqlen_pad, QuantRowShape<kHeadDim>::kRowsPerBlock), p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
       using Elem = decltype(elem);
-      const auto kernel = p.tokens_per_scale == 1 ? quantize_kernel<kHeadDim, Elem, 1>
-                                                  : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens>;
-      return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p);
+      const bool is_packed = packed.cu_seqlens != nullptr;
+      const auto kernel = p.tokens_per_scale == 1
+                              ? (is_packed ? quantize_kernel<kHeadDim, Elem, 1, true> : quantize_kernel<kHeadDim, Elem, 1, false>)
+                              : (is_packed ? quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, true>
+                                           : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, false>);
+      return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p, packed);
     });
   });
 }

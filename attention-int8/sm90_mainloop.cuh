@@ -69,8 +69,8 @@ __device__ __forceinline__ void fill_sum_columns(const Sm90Smem<Traits>& smem) {
 // the stream is key tile n_begin + j.
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
-                                              const CUtensorMap* v_map, int head_kv, int batch, int n_begin,
-                                              int n_blocks) {
+                                              const CUtensorMap* v_map, int v_key0, int head_kv, int v_batch,
+                                              int n_begin, int n_blocks) {
   constexpr int BN = Traits::kBlockN;
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
@@ -83,8 +83,8 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
     // count towards the transaction bytes either way.
 #pragma unroll
     for (int box = 0; box < Traits::kVBoxes; ++box)
-      sm90::tma_load_4d(smem.v(stage) + box * Traits::kSmemVBoxBytes, v_map, box * Traits::kVBoxChannels, int(n0),
-                        head_kv, batch, smem.full(stage));
+      sm90::tma_load_4d(smem.v(stage) + box * Traits::kSmemVBoxBytes, v_map, box * Traits::kVBoxChannels,
+                        v_key0 + int(n0), head_kv, v_batch, smem.full(stage));
   }
 }
 
@@ -142,6 +142,20 @@ struct Sm90Mainloop {
     if (lane == 0) sm90::mbarrier_arrive(smem.empty(stage_of<Traits>(n_block)));
   }
 
+  // Packed sequences: the V rows after a sequence's last key are the next sequence's (TMA zeroes only rows past the
+  // tensor), and one non-finite value there would turn P's zeros into NaN. Each consumer that reads the sequence's
+  // last tile clears them (the same zeros, whichever consumer stores them last) before its P.V reads the tile.
+  __device__ __forceinline__ void clear_keys_past_end(int stage, int keys) const {
+    if (keys >= Traits::kBlockN) return;
+    constexpr int kRowChunks = 128 / 16;  // a key's row of a V box
+#pragma unroll
+    for (int box = 0; box < Traits::kVBoxes; ++box)
+      for (int i = keys * kRowChunks + int(threadIdx.x % 128); i < Traits::kBlockN * kRowChunks; i += 128)
+        reinterpret_cast<uint4*>(smem.v(stage) + box * Traits::kSmemVBoxBytes)[i] = make_uint4(0, 0, 0, 0);
+    sm90::fence_proxy_async_smem();  // the generic-proxy stores, before the wgmmas read them
+    sm90::named_barrier_sync(kQTileBarrier<Traits> + consumer, 128);
+  }
+
   // Issues O += P V-tile for tile n_block (asynchronous; one commit group). Its V has landed: the step of that
   // tile waited for its stage.
   __device__ __forceinline__ void issue_pv(float (&o_acc)[kORegs], int n_block) {
@@ -162,6 +176,7 @@ struct Sm90Mainloop {
     const int stage = stage_of<Traits>(n_block);
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
     sm90::mbarrier_wait(smem.full(stage), phase_of<Traits>(n_block));
+    if constexpr (Traits::kPacked && kMasked) clear_keys_past_end(stage, p.seqlen_kv - (n_begin + n_block) * Traits::kBlockN);
     take_turn();
     int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);

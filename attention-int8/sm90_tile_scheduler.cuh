@@ -93,7 +93,8 @@ TileSchedule make_tile_schedule(const AttentionParams& p, int sm_count, int64_t 
   sched.chunk_heads = FastDivisor(uint32_t(chunk_heads));
   sched.chunk_tiles = FastDivisor(uint32_t(int64_t(chunk_heads) * query_blocks));  // <= tiles (the launcher caps)
   const int key_tiles = int(ceil_div(p.seqlen_kv, Traits::kBlockN));
-  if (p.causal || sched.tiles == 0 || key_tiles < 2 || sm_count < 1) return sched;
+  const bool packed = p.packed_q.cu_seqlens != nullptr;  // the tail's tiles are of unknown lengths
+  if (p.causal || packed || sched.tiles == 0 || key_tiles < 2 || sm_count < 1) return sched;
   int splits = 1;
   int64_t split_tiles = sched.tiles;
   if (forced_splits > 0) {

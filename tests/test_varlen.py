@@ -126,3 +126,33 @@ def test_varlen_matches_per_sequence_references(ai8, case):
     alone = ai8.int8_attention_forward(q[None, bounds_q[b]:], k[None, bounds_k[b]:], v[None, bounds_k[b]:],
                                        is_causal=causal, tensor_layout="NHD")
     assert torch.equal(out[bounds_q[b]:], alone[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sequences_stay_apart(ai8, head_dim):
+    """A non-finite key or value of one sequence reaches no other sequence's rows (its key block is its own, and the
+    V rows after a sequence's last key are not multiplied into it), while that sequence's own rows turn NaN."""
+    lengths = [70, 50, 90]
+    (q, k, v), (cu_q, cu_k, max_q, max_k) = packed(lengths, lengths, 4, 2, head_dim, torch.float16, "cuda")
+    k[70, 1, 3] = math.inf  # sequence 1's first key: inside sequence 0's last 64-key block if blocks straddled
+    v[71, 0, 5] = math.nan  # read into sequence 0's last key tile if its rows past the end were used
+    out = ai8.int8_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    for b, (lo, hi) in enumerate(((0, 70), (70, 120), (120, 210))):
+        alone = ai8.int8_attention_forward(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], tensor_layout="NHD")[0]
+        if b == 1:
+            assert out[lo:hi].isnan().any()
+        else:
+            assert torch.isfinite(out[lo:hi]).all() and torch.equal(out[lo:hi], alone), b
+
+
+@requires_cuda
+def test_op_clamps_malformed_offsets(ai8):
+    """The raw op does not read cu_seqlens on the host; offsets past the tensors must not make a kernel read or write
+    outside them (compute-sanitizer runs this file's cases too), and the call must finish without a CUDA error."""
+    (q, k, v), _ = packed([40, 40], [40, 40], 4, 2, 64, torch.float16, "cuda")
+    bad = torch.tensor([0, 1000, -5], dtype=torch.int32, device="cuda")
+    for is_causal in (False, True):
+        out, lse = ai8.ops.int8_attention_varlen_forward_with_lse(q, k, v, bad, bad, 1000, 1000, is_causal)
+        torch.cuda.synchronize()
+        assert out.shape == q.shape and lse.shape == (4, 80)

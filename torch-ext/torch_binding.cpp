@@ -52,6 +52,30 @@ ai8::RowMajorView view_of(const at::Tensor& t, Layout layout) {
   return {t.stride(0), t.stride(head_axis(layout)), t.stride(seq_axis(layout))};
 }
 
+// The rows of q, k, v (or x) as the kernels address them: a dense [B, H, N, D] batch in either layout, or packed
+// sequences [total, H, D] (ai8::PackedSequences), seen with batch stride 0 and N the longest sequence's.
+struct Operand {
+  at::Tensor tensor;
+  Layout layout;  // dense only
+  Shape shape;
+  ai8::RowMajorView view;
+  ai8::PackedSequences packed;  // cu_seqlens nullptr: dense
+};
+
+Operand dense_operand(const at::Tensor& t, Layout layout) {
+  return {t, layout, shape_of(t, layout), view_of(t, layout), {}};
+}
+
+Operand packed_operand(const at::Tensor& t, const at::Tensor& cu_seqlens, int64_t max_seqlen) {
+  return {t,
+          Layout::kNHD,
+          {cu_seqlens.size(0) - 1, t.size(1), max_seqlen, t.size(2)},
+          {0, t.stride(1), t.stride(0)},
+          {cu_seqlens.data_ptr<int>(), static_cast<int>(t.size(0))}};
+}
+
+bool is_packed(const Operand& x) { return x.packed.cu_seqlens != nullptr; }
+
 ai8::ElemType elem_type_of(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf ? ai8::ElemType::kFloat16 : ai8::ElemType::kBFloat16;
 }
@@ -126,14 +150,20 @@ void check_tokens_per_scale(int64_t tokens_per_scale) {
 
 // The kernels read V (and the sm90 kernel Q) in place with 16-byte or vector accesses, and the sm90
 // kernel V by TMA: base and row/head/batch strides must be 16-byte aligned, and TMA also takes no zero
-// stride (an expanded tensor). Anything else is copied once into a dense tensor (documented cost).
-at::Tensor readable_in_place(const at::Tensor& x, Layout layout, bool sm90) {
-  const int64_t align = 16 / x.element_size();
-  const auto view = view_of(x, layout);
-  bool usable = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
+// stride (an expanded tensor; packed sequences have no batch stride to give it). Anything else is copied once
+// into a dense tensor (documented cost).
+Operand readable_in_place(const Operand& x, bool sm90) {
+  const int64_t align = 16 / x.tensor.element_size();
+  const ai8::RowMajorView& view = x.view;
+  bool usable = reinterpret_cast<uintptr_t>(x.tensor.data_ptr()) % 16 == 0 && view.batch_stride % align == 0 &&
                 view.head_stride % align == 0 && view.row_stride % align == 0;
-  if (sm90) usable = usable && view.batch_stride > 0 && view.head_stride > 0 && view.row_stride > 0;
-  return usable ? x : at::empty_like(x, at::MemoryFormat::Contiguous).copy_(x);
+  if (sm90) usable = usable && (is_packed(x) || view.batch_stride > 0) && view.head_stride > 0 && view.row_stride > 0;
+  if (usable) return x;
+  Operand copy = x;
+  copy.tensor = at::empty_like(x.tensor, at::MemoryFormat::Contiguous).copy_(x.tensor);
+  const at::Tensor& t = copy.tensor;
+  copy.view = is_packed(x) ? ai8::RowMajorView{0, t.stride(1), t.stride(0)} : view_of(t, x.layout);
+  return copy;
 }
 
 struct QuantizedRows {
@@ -143,16 +173,16 @@ struct QuantizedRows {
 };
 
 // Quantizes x with one scale per tokens_per_scale tokens (1 or kKeyScaleTokens), rows padded to a
-// multiple of row_multiple.
-QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<at::Tensor>& mean, double out_scale,
+// multiple of row_multiple (per sequence, for packed sequences).
+QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, double out_scale,
                        int64_t tokens_per_scale, int64_t row_multiple, cudaStream_t stream,
                        const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false,
                        bool programmatic_launch = false) {
-  const Shape s = shape_of(x, layout);
+  const Shape& s = x.shape;
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
-  const auto f32 = x.options().dtype(at::kFloat);
+  const auto f32 = x.tensor.options().dtype(at::kFloat);
   const int64_t row_bytes = sm90_layout ? ai8::sm90_row_bytes(static_cast<int>(s.head_dim)) : s.head_dim;
-  QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, row_bytes}, x.options().dtype(at::kChar)),
+  QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, row_bytes}, x.tensor.options().dtype(at::kChar)),
                     at::empty({s.batch, s.heads, ai8::ceil_div(seqlen_pad, tokens_per_scale)}, f32),
                     dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
@@ -161,8 +191,8 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
     params.dot_head_group = static_cast<int>(s.heads / dot_vec->size(1));
     params.row_dot = out.row_dot.data_ptr<float>();
   }
-  params.x = x.data_ptr();
-  params.x_view = view_of(x, layout);
+  params.x = x.tensor.data_ptr();
+  params.x_view = x.view;
   params.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
   params.x_q = out.values.data_ptr<int8_t>();
   params.scale = out.scales.data_ptr<float>();
@@ -173,29 +203,128 @@ QuantizedRows quantize(const at::Tensor& x, Layout layout, const std::optional<a
   params.head_dim = static_cast<int>(s.head_dim);
   params.tokens_per_scale = static_cast<int>(tokens_per_scale);
   params.out_scale = static_cast<float>(out_scale);
-  params.dtype = elem_type_of(x);
+  params.dtype = elem_type_of(x.tensor);
   params.sm90_layout = sm90_layout;
   params.programmatic_launch = programmatic_launch;
   params.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  check_cuda(ai8::launch_quantize(params, stream), "launching quantize");
+  check_cuda(ai8::launch_quantize(params, x.packed, stream), "launching quantize");
   return out;
 }
 
 // K's smoothing centre [B, H, D] fp32 (launch_key_center): the mean of a sample of its keys, outliers left out.
-at::Tensor compute_key_center(const at::Tensor& x, Layout layout, cudaStream_t stream) {
-  const Shape s = shape_of(x, layout);
-  at::Tensor center = at::empty({s.batch, s.heads, s.head_dim}, x.options().dtype(at::kFloat));
+at::Tensor compute_key_center(const Operand& x, cudaStream_t stream) {
+  const Shape& s = x.shape;
+  at::Tensor center = at::empty({s.batch, s.heads, s.head_dim}, x.tensor.options().dtype(at::kFloat));
   ai8::KeyCenterParams params{};
-  params.x = x.data_ptr();
-  params.x_view = view_of(x, layout);
+  params.x = x.tensor.data_ptr();
+  params.x_view = x.view;
   params.center = center.data_ptr<float>();
   params.batch = static_cast<int>(s.batch);
   params.heads = static_cast<int>(s.heads);
   params.seqlen = static_cast<int>(s.seqlen);
   params.head_dim = static_cast<int>(s.head_dim);
-  params.dtype = elem_type_of(x);
-  check_cuda(ai8::launch_key_center(params, stream), "launching key_center");
+  params.dtype = elem_type_of(x.tensor);
+  check_cuda(ai8::launch_key_center(params, x.packed, stream), "launching key_center");
   return center;
+}
+
+// The checks shared by the dense and the packed op: dtypes, devices, head counts and dims, the scale. Returns the
+// softmax scale.
+double check_attention_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Shape& sq,
+                                const Shape& sk, std::optional<double> sm_scale) {
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one device, got ",
+                    q.device(), ", ", k.device(), " and ", v.device());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(sk.head_dim == sq.head_dim, "k has head_dim ", sk.head_dim, " but q has head_dim ", sq.head_dim);
+  TORCH_CHECK_VALUE(sq.heads == 0 || (sk.heads > 0 && sq.heads % sk.heads == 0),
+                    "the number of q heads (", sq.heads, ") must be a multiple of the number of k/v heads (", sk.heads,
+                    ")");
+  check_sizes(sq, "q");
+  check_sizes(sk, "k");
+  const double scale = sm_scale.has_value() ? *sm_scale : 1.0 / std::sqrt(static_cast<double>(sq.head_dim));
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0, "sm_scale must be a finite positive number, got ", scale);
+  return scale;
+}
+
+// O (and the LSE) of q, k, v into out (through out_view) and lse: the pre-passes and the attention kernel. The
+// operands are checked, and out holds at least one element.
+void run_attention(const Operand& q, const Operand& k, const Operand& v, const at::Tensor& out,
+                   const ai8::RowMajorView& out_view, const at::Tensor& lse, bool is_causal, double scale,
+                   bool smooth_k, Capability cc) {
+  const bool with_lse = lse.defined();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ai8::AttentionKernel kernel = attention_kernel_for(cc);
+  const bool sm90 = kernel == ai8::AttentionKernel::kSm90;
+  const int kv_splits = forced_kv_splits();  // checked on every GPU, though only the sm90 kernel splits
+  // Copies (if any) first: on Hopper the kernels after K's centre start under their predecessor's tail
+  // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
+  const Operand v_rows = readable_in_place(v, sm90);
+  const Operand q_rows = sm90 ? readable_in_place(q, sm90) : q;
+  // K smoothing: one centre is shared by every key, so subtracting it shifts each logit row by a
+  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
+  std::optional<at::Tensor> k_center;
+  if (smooth_k && k.shape.seqlen > 0) k_center = compute_key_center(k, stream);
+  // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
+  // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back (each
+  // kernel's epilogue does, from the inputs AttentionParams names).
+  const bool lse_shift = with_lse && k_center.has_value();
+  const double q_out_scale = scale * kLog2e;
+  const QuantizedRows k_q = quantize(k, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
+                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_center.has_value());
+
+  ai8::AttentionParams params{};
+  QuantizedRows q_q;
+  if (sm90) {  // the kernel quantizes its Q tiles itself
+    params.q_input = q_rows.tensor.data_ptr();
+    params.q_view = q_rows.view;
+    params.q_out_scale = static_cast<float>(q_out_scale);
+    params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
+  } else {
+    q_q = quantize(q, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt);
+    params.q = q_q.values.data_ptr<int8_t>();
+    params.q_scale = q_q.scales.data_ptr<float>();
+    params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
+    params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
+  }
+  params.sm_scale = static_cast<float>(scale);
+  params.k = k_q.values.data_ptr<int8_t>();
+  params.k_scale = k_q.scales.data_ptr<float>();
+  params.v = v_rows.tensor.data_ptr();
+  params.v_view = v_rows.view;
+  params.o = out.data_ptr();
+  params.o_view = out_view;
+  params.lse = with_lse ? lse.data_ptr<float>() : nullptr;
+  params.batch = static_cast<int>(q.shape.batch);
+  params.heads_q = static_cast<int>(q.shape.heads);
+  params.heads_kv = static_cast<int>(k.shape.heads);
+  params.seqlen_q = static_cast<int>(q.shape.seqlen);
+  params.seqlen_kv = static_cast<int>(k.shape.seqlen);
+  params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
+  params.head_dim = static_cast<int>(q.shape.head_dim);
+  params.packed_q = q.packed;
+  params.packed_kv = v.packed;
+  params.causal = is_causal;
+  params.kernel = kernel;
+  // The K quantizer ran just before (its launch is skipped only without keys).
+  params.programmatic_launch = sm90 && k.shape.seqlen > 0;
+  params.dtype = elem_type_of(q.tensor);
+  at::Tensor o_partial, row_stats;
+  if (sm90) {
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+    params.schedule = ai8::tile_schedule_sm90(params, props->multiProcessorCount, props->l2CacheSize, kv_splits);
+    if (params.schedule.split_tiles > 0) {
+      const auto f32 = q.tensor.options().dtype(at::kFloat);
+      o_partial = at::empty({params.schedule.partial_rows(), q.shape.head_dim}, f32);
+      static_assert(sizeof(ai8::SplitRowStats) == 3 * sizeof(float), "SplitRowStats is three fp32");
+      row_stats = at::empty({params.schedule.partial_rows(), 3}, f32);
+      params.o_partial = o_partial.data_ptr<float>();
+      params.row_stats = reinterpret_cast<ai8::SplitRowStats*>(row_stats.data_ptr<float>());
+    }
+  }
+  check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -205,98 +334,71 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   check_input(k, "k");
   check_input(v, "v");
   const Layout layout = parse_layout(tensor_layout);
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
-                   v.scalar_type());
-  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one device, got ",
-                    q.device(), ", ", k.device(), " and ", v.device());
   const Shape sq = shape_of(q, layout), sk = shape_of(k, layout);
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  const double scale = check_attention_operands(q, k, v, sq, sk, sm_scale);
   TORCH_CHECK_VALUE(sk.batch == sq.batch, "k has batch ", sk.batch, " but q has batch ", sq.batch);
-  TORCH_CHECK_VALUE(sk.head_dim == sq.head_dim, "k has head_dim ", sk.head_dim, " but q has head_dim ", sq.head_dim);
-  TORCH_CHECK_VALUE(sq.heads == 0 || (sk.heads > 0 && sq.heads % sk.heads == 0),
-                    "the number of q heads (", sq.heads, ") must be a multiple of the number of k/v heads (", sk.heads,
-                    ")");
-  check_sizes(sq, "q");
-  check_sizes(sk, "k");
-  const double scale = sm_scale.has_value() ? *sm_scale : 1.0 / std::sqrt(static_cast<double>(sq.head_dim));
-  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0, "sm_scale must be a finite positive number, got ", scale);
   const Capability cc = checked_capability(q);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor lse = with_lse ? at::empty({sq.batch, sq.heads, sq.seqlen}, q.options().dtype(at::kFloat)) : at::Tensor();
   if (out.numel() == 0) return {out, lse};
+  run_attention(dense_operand(q, layout), dense_operand(k, layout), dense_operand(v, layout), out,
+                view_of(out, layout), lse, is_causal, scale, smooth_k, cc);
+  return {out, lse};
+}
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const ai8::AttentionKernel kernel = attention_kernel_for(cc);
-  const bool sm90 = kernel == ai8::AttentionKernel::kSm90;
-  const int kv_splits = forced_kv_splits();  // checked on every GPU, though only the sm90 kernel splits
-  // Copies (if any) first: on Hopper the kernels after K's centre start under their predecessor's tail
-  // (programmatic dependent launch), and the attention kernel reads Q and V before it waits for K.
-  const at::Tensor v_rows = readable_in_place(v, layout, sm90);
-  const at::Tensor q_rows = sm90 ? readable_in_place(q, layout, sm90) : q;
-  // K smoothing: one centre is shared by every key, so subtracting it shifts each logit row by a
-  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
-  std::optional<at::Tensor> k_center;
-  if (smooth_k && sk.seqlen > 0) k_center = compute_key_center(k, layout, stream);
-  // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
-  // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back (each
-  // kernel's epilogue does, from the inputs AttentionParams names).
-  const bool lse_shift = with_lse && k_center.has_value();
-  const double q_out_scale = scale * kLog2e;
-  const QuantizedRows k_q = quantize(k, layout, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
-                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_center.has_value());
+void check_packed_input(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 3, name, " must be a 3-D packed tensor [total_tokens, H, D], got ", t.dim(), " dims");
+  check_input(t.unsqueeze(0), name);
+}
 
-  ai8::AttentionParams params{};
-  QuantizedRows q_q;
-  if (sm90) {  // the kernel quantizes its Q tiles itself
-    params.q_input = q_rows.data_ptr();
-    params.q_view = view_of(q_rows, layout);
-    params.q_out_scale = static_cast<float>(q_out_scale);
-    params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
-  } else {
-    q_q = quantize(q, layout, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream,
-                   lse_shift ? k_center : std::nullopt);
-    params.q = q_q.values.data_ptr<int8_t>();
-    params.q_scale = q_q.scales.data_ptr<float>();
-    params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
-    params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
+void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, name, " must be a torch.int32 tensor, got ", cu.scalar_type());
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, name, " must be a 1-D tensor of B + 1 offsets, got shape ",
+                    cu.sizes());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), name, " must be on the device of q (", q.device(), "), got ",
+                    cu.device());
+  TORCH_CHECK_VALUE(cu.is_contiguous(), name, " must be contiguous");
+}
+
+// Packed sequences (FlashAttention's varlen form). cu_seqlens' values are not read on the host (that would
+// synchronize with the GPU): the kernels clamp each sequence to the packed tensor and to its max_seqlen, so that
+// offsets breaking the varlen rules give wrong rows but never an access outside the tensors (the Python API
+// checks the rules).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                                            const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                            int64_t max_seqlen_k, bool is_causal,
+                                                            std::optional<double> sm_scale, bool smooth_k,
+                                                            bool with_lse) {
+  check_packed_input(q, "q");
+  check_packed_input(k, "k");
+  check_packed_input(v, "v");
+  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
+  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
+                    "cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got ",
+                    cu_seqlens_q.size(0) - 1, " and ", cu_seqlens_k.size(0) - 1);
+  for (const auto& [name, bound] : {std::pair{"max_seqlen_q", max_seqlen_q}, std::pair{"max_seqlen_k", max_seqlen_k}})
+    TORCH_CHECK_VALUE(bound >= 0, name, " must be at least 0, got ", bound);
+  TORCH_CHECK_VALUE(q.size(0) <= INT32_MAX && k.size(0) <= INT32_MAX, "packed tensors must hold fewer than 2^31 rows");
+  const Operand q_op = packed_operand(q, cu_seqlens_q, max_seqlen_q), k_op = packed_operand(k, cu_seqlens_k, max_seqlen_k),
+                v_op = packed_operand(v, cu_seqlens_k, max_seqlen_k);
+  const double scale = check_attention_operands(q, k, v, q_op.shape, k_op.shape, sm_scale);
+  const Capability cc = checked_capability(q);
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor lse = with_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat)) : at::Tensor();
+  if (out.numel() == 0) return {out, lse};
+  // No sequence holds a query row, though q has rows (offsets the Python API refuses): no kernel grid to launch.
+  if (q_op.shape.batch == 0 || max_seqlen_q == 0) {
+    out.zero_();
+    if (with_lse) lse.fill_(-INFINITY);
+    return {out, lse};
   }
-  params.sm_scale = static_cast<float>(scale);
-  params.k = k_q.values.data_ptr<int8_t>();
-  params.k_scale = k_q.scales.data_ptr<float>();
-  params.v = v_rows.data_ptr();
-  params.v_view = view_of(v_rows, layout);
-  params.o = out.data_ptr();
-  params.o_view = view_of(out, layout);
-  params.lse = with_lse ? lse.data_ptr<float>() : nullptr;
-  params.batch = static_cast<int>(sq.batch);
-  params.heads_q = static_cast<int>(sq.heads);
-  params.heads_kv = static_cast<int>(sk.heads);
-  params.seqlen_q = static_cast<int>(sq.seqlen);
-  params.seqlen_kv = static_cast<int>(sk.seqlen);
-  params.seqlen_kv_pad = static_cast<int>(k_q.values.size(2));
-  params.head_dim = static_cast<int>(sq.head_dim);
-  params.causal = is_causal;
-  params.kernel = kernel;
-  // The K quantizer ran just before (its launch is skipped only without keys).
-  params.programmatic_launch = sm90 && sk.seqlen > 0;
-  params.dtype = elem_type_of(q);
-  at::Tensor o_partial, row_stats;
-  if (sm90) {
-    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    params.schedule = ai8::tile_schedule_sm90(params, props->multiProcessorCount, props->l2CacheSize, kv_splits);
-    if (params.schedule.split_tiles > 0) {
-      const auto f32 = q.options().dtype(at::kFloat);
-      o_partial = at::empty({params.schedule.partial_rows(), sq.head_dim}, f32);
-      static_assert(sizeof(ai8::SplitRowStats) == 3 * sizeof(float), "SplitRowStats is three fp32");
-      row_stats = at::empty({params.schedule.partial_rows(), 3}, f32);
-      params.o_partial = o_partial.data_ptr<float>();
-      params.row_stats = reinterpret_cast<ai8::SplitRowStats*>(row_stats.data_ptr<float>());
-    }
-  }
-  check_cuda(ai8::launch_attention_forward(params, stream), "launching attention_forward");
+  run_attention(q_op, k_op, v_op, out, {0, out.stride(1), out.stride(0)}, lse, is_causal, scale, smooth_k, cc);
   return {out, lse};
 }
 
@@ -319,6 +421,22 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Ten
   return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/true);
 }
 
+at::Tensor int8_attention_varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                         std::optional<double> sm_scale, bool smooth_k) {
+  return std::get<0>(attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              is_causal, sm_scale, smooth_k, /*with_lse=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    std::optional<double> sm_scale, bool smooth_k) {
+  return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale,
+                                  smooth_k, /*with_lse=*/true);
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
                                                  double out_scale, c10::string_view tensor_layout,
                                                  int64_t tokens_per_scale) {
@@ -336,8 +454,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std:
                       "] tensor, got ", mean->sizes());
   }
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const QuantizedRows rows =
-      quantize(x, layout, mean, out_scale, tokens_per_scale, /*row_multiple=*/1, c10::cuda::getCurrentCUDAStream());
+  const QuantizedRows rows = quantize(dense_operand(x, layout), mean, out_scale, tokens_per_scale, /*row_multiple=*/1,
+                                      c10::cuda::getCurrentCUDAStream());
   return {rows.values, rows.scales};
 }
 
@@ -350,7 +468,7 @@ at::Tensor key_center(const at::Tensor& k, c10::string_view tensor_layout) {
   checked_capability(k);
   const c10::cuda::CUDAGuard device_guard(k.device());
   if (s.batch * s.heads == 0) return at::empty({s.batch, s.heads, s.head_dim}, k.options().dtype(at::kFloat));
-  return compute_key_center(k, layout, c10::cuda::getCurrentCUDAStream());
+  return compute_key_center(dense_operand(k, layout), c10::cuda::getCurrentCUDAStream());
 }
 
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, bool,
@@ -362,6 +480,20 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at
                                                                         const at::Tensor&, bool, std::optional<double>,
                                                                         c10::string_view tensor_layout, bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous), lse_like(q, parse_layout(tensor_layout))};
+}
+
+at::Tensor int8_attention_varlen_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                                              std::optional<double>, bool) {
+  return at::empty_like(q, at::MemoryFormat::Contiguous);
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse_meta(const at::Tensor& q, const at::Tensor&,
+                                                                               const at::Tensor&, const at::Tensor&,
+                                                                               const at::Tensor&, int64_t, int64_t,
+                                                                               bool, std::optional<double>, bool) {
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+          at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const std::optional<at::Tensor>&,
@@ -387,6 +519,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
       "str tensor_layout=\"HND\", bool smooth_k=True) -> (Tensor, Tensor)");
   ops.def(
+      "int8_attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True) -> Tensor");
+  ops.def(
+      "int8_attention_varlen_forward_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True) "
+      "-> (Tensor, Tensor)");
+  ops.def(
       "quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\", int tokens_per_scale=1) "
       "-> (Tensor, Tensor)");
   ops.def("key_center(Tensor k, str tensor_layout=\"HND\") -> Tensor");
@@ -396,6 +535,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
+  ops.impl("int8_attention_varlen_forward", &int8_attention_varlen_forward);
+  ops.impl("int8_attention_varlen_forward_with_lse", &int8_attention_varlen_forward_with_lse);
   ops.impl("quantize_int8", &quantize_int8);
   ops.impl("key_center", &key_center);
 }
@@ -403,6 +544,8 @@ TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CUDA, ops) {
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse);
+  ops.impl("int8_attention_varlen_forward", &int8_attention_varlen_forward);
+  ops.impl("int8_attention_varlen_forward_with_lse", &int8_attention_varlen_forward_with_lse);
   ops.impl("quantize_int8", &quantize_int8);
   ops.impl("key_center", &key_center);
 }
@@ -410,6 +553,8 @@ TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, ops) {
 TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, Meta, ops) {
   ops.impl("int8_attention_forward", &int8_attention_forward_meta);
   ops.impl("int8_attention_forward_with_lse", &int8_attention_forward_with_lse_meta);
+  ops.impl("int8_attention_varlen_forward", &int8_attention_varlen_forward_meta);
+  ops.impl("int8_attention_varlen_forward_with_lse", &int8_attention_varlen_forward_with_lse_meta);
   ops.impl("quantize_int8", &quantize_int8_meta);
   ops.impl("key_center", &key_center_meta);
 }

@@ -17,6 +17,16 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Ten
                                                                    std::optional<double> sm_scale,
                                                                    c10::string_view tensor_layout, bool smooth_k);
 
+at::Tensor int8_attention_varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                         std::optional<double> sm_scale, bool smooth_k);
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    std::optional<double> sm_scale, bool smooth_k);
+
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
                                                  double out_scale, c10::string_view tensor_layout,
                                                  int64_t tokens_per_scale);
@@ -31,6 +41,16 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at
                                                                         const at::Tensor& v, bool is_causal,
                                                                         std::optional<double> sm_scale,
                                                                         c10::string_view tensor_layout, bool smooth_k);
+
+at::Tensor int8_attention_varlen_forward_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                              std::optional<double> sm_scale, bool smooth_k);
+
+std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    std::optional<double> sm_scale, bool smooth_k);
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_meta(const at::Tensor& x, const std::optional<at::Tensor>& mean,
                                                       double out_scale, c10::string_view tensor_layout,

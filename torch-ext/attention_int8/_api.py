@@ -68,9 +68,9 @@ def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     Returns:
         ``out`` ``[total_q, Hq, D]`` in q's dtype, or ``(out, lse)``.
 
-    No token attends across sequences, and K's smoothing centre and scales are each sequence's own. This version
-    makes one dense call per sequence on views of the packed tensors (no copies of q, k, v; each sequence's output
-    is copied once into the packed result); reading cu_seqlens synchronizes with the GPU.
+    No token attends across sequences, and K's smoothing centre and scales are each sequence's own. One launch of
+    each kernel covers the whole batch, reading the packed tensors in place; checking cu_seqlens' values (before any
+    GPU work) synchronizes with the GPU.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, return_lse,
                    on_cpu=False)
@@ -80,18 +80,17 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_
     """`int8_attention_varlen`, on the kernel or (`on_cpu`) on the CPU reference."""
     offsets_q, offsets_k = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                is_causal, sm_scale, kernel_device=not on_cpu)
-    if offsets_q is None:  # meta tensors: shapes only
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    else:
-        dense = int8_attention_reference if on_cpu else int8_attention_forward
-        out, lse = per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
-    return (out, lse) if return_lse else out
+    if on_cpu:
+        out, lse = per_sequence_attention(int8_attention_reference, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
+        return (out, lse) if return_lse else out
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    op = ops.int8_attention_varlen_forward_with_lse if return_lse else ops.int8_attention_varlen_forward
+    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, True)
 
 
 def per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale):
     """``(out [total_q, Hq, D], lse [Hq, total_q])`` of packed q, k, v with one call of `dense` (the signature of
-    `int8_attention_forward`, or the CPU reference) per sequence, on ``[1, N, H, D]`` views."""
+    `int8_attention_forward`; the CPU reference) per sequence, on ``[1, N, H, D]`` views."""
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
         out, lse = dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], is_causal=is_causal, sm_scale=sm_scale,
