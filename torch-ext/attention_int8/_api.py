@@ -85,7 +85,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_
         return (out, lse) if return_lse else out
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     op = ops.int8_attention_varlen_forward_with_lse if return_lse else ops.int8_attention_varlen_forward
-    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, True)
+    return op(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, is_causal,
+              sm_scale, True)
 
 
 def per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale):
