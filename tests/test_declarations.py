@@ -48,7 +48,8 @@ def test_launchers_are_exported_with_the_header_signatures(exported):
     for name in launchers():
         assert len([s for s in exported if s.startswith(f"attention_int8::{name}(")]) == 1, name
     assert "attention_int8::launch_attention_forward(attention_int8::AttentionParams const&, CUstream_st*)" in exported
-    assert "attention_int8::launch_quantize(attention_int8::QuantizeParams const&, CUstream_st*)" in exported
+    assert "attention_int8::launch_quantize(attention_int8::QuantizeParams const&, attention_int8::PackedSequences " \
+        "const&, CUstream_st*)" in exported
 
 
 def test_every_kernel_symbol_the_binding_calls_is_defined(exported):
@@ -74,7 +75,7 @@ def launcher(extra_parameter: str = "") -> str:
 
 
 # A use of the launcher, so that the compiler checks its linkage rather than drop it as unused.
-CALLER = "cudaError_t launch_quantize(const QuantizeParams&, cudaStream_t s) " \
+CALLER = "cudaError_t launch_quantize(const QuantizeParams&, const PackedSequences&, cudaStream_t s) " \
     "{ return launch_attention_forward({}, s); }"
 
 
