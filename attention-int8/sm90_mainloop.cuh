@@ -104,7 +104,7 @@ struct Sm90Mainloop {
   using Elem = typename Traits::Elem;
   static constexpr int kSRegs = Traits::kSAccRegs, kORegs = Traits::kOAccRegs;
 
-  const Sm90Smem<Traits>& smem;
+  const Sm90Smem<Traits> smem;  // by value: its two pointers stay in registers, with no reload through a reference
   const int consumer, next_consumer, lane;
   const int n_begin;        // the stream's first key tile
   const float* k_scales;    // one per key tile of the stream
