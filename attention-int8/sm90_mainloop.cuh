@@ -176,7 +176,8 @@ struct Sm90Mainloop {
     const int stage = stage_of<Traits>(n_block);
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
     sm90::mbarrier_wait(smem.full(stage), phase_of<Traits>(n_block));
-    if constexpr (Traits::kPacked && kMasked) clear_keys_past_end(stage, p.seqlen_kv - (n_begin + n_block) * Traits::kBlockN);
+    if constexpr (Traits::kPacked && kMasked)
+      clear_keys_past_end(stage, p.seqlen_kv - (n_begin + n_block) * Traits::kBlockN);
     take_turn();
     int32_t s_int[kSRegs];
     wgmma::fence_operands(s_int);
