@@ -284,6 +284,54 @@ def test_llama_padded_batch_matches_sdpa(ai8, layers, monkeypatch):
     assert not torch.equal(logits[kept], sdpa[kept])
 
 
+def kept_tokens_per_row(q, k, v, keep_q, keep_k, is_causal, fn):
+    """`fn(q, k, v, is_causal)` (HND) of each batch row on its kept tokens, causal bottom-right over the kept
+    tokens; padded queries 0."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        out[b:b + 1, :, keep_q[b]] = fn(q[b:b + 1, :, keep_q[b]], k[b:b + 1, :, keep_k[b]], v[b:b + 1, :, keep_k[b]],
+                                         is_causal)
+    return out
+
+
+def sdpa_bottom_right(q, k, v, is_causal):
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]) if is_causal else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def transformers_padding_mask(b, nkv):
+    mask = torch.ones(b, nkv, dtype=torch.long)
+    mask[1, nkv - 23:] = 0  # right padding
+    mask[2, :31] = 0  # left padding
+    return mask
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("nq", [90, 5])  # prefill, and 5 new tokens after a cache
+def test_transformers_padding_mask_runs_reference_on_kept_tokens(ai8, layers, nq, is_causal):
+    q, k, v = qkv(3, 4, 2, nq, 90)
+    mask = transformers_padding_mask(3, 90)
+    keep_k = mask.bool()
+    out, msgs = recording_fallbacks(ai8.transformers_attention, None, q, k, v, mask, is_causal=is_causal)
+    assert msgs == [] and out[1] is None
+    expected = kept_tokens_per_row(q, k, v, keep_k[:, 90 - nq:], keep_k, is_causal,
+                                   lambda *a: ai8.reference.int8_attention_reference(*a))
+    assert torch.equal(out[0], expected.transpose(1, 2))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("nq", [90, 5])
+def test_transformers_padding_mask_fallback_equals_sdpa_on_kept_tokens(ai8, layers, nq, is_causal):
+    q, k, v = (t.float() for t in qkv(3, 4, 2, nq, 90))  # float32: the kernel takes 16-bit inputs only
+    mask = transformers_padding_mask(3, 90)
+    mask[0, 40] = 0  # a hole: the mask goes to SDPA as it is, ranks counting kept tokens
+    keep_k = mask.bool()
+    out, msgs = recording_fallbacks(ai8.transformers_attention, None, q, k, v, mask, is_causal=is_causal)
+    assert len(msgs) == 1 and "float16 or torch.bfloat16" in msgs[0], msgs
+    expected = kept_tokens_per_row(q, k, v, keep_k[:, 90 - nq:], keep_k, is_causal, sdpa_bottom_right)
+    torch.testing.assert_close(out[0], expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_transformers_attention_rejects_unsupported(ai8):
     q, k, v = qkv(1, 4, 4, 8, 8)
     with pytest.raises(ValueError, match="sliding_window"):
@@ -308,6 +356,30 @@ def test_key_padding_mask_kernel_matches_float64(ai8, layers, kind, dtype):
                                            enable_gqa=True)
     assert msgs == []
     assert_accurate(out, exact, f"{kind} {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_padding_masks_run_one_varlen_call(ai8, layers, is_causal):
+    """Both padding-mask entry points give the varlen op's result on the packed kept tokens, bit for bit."""
+    q, k, v = qkv(3, 8, 2, 200, 200, 128, torch.bfloat16, "cuda")
+    mask = transformers_padding_mask(3, 200).cuda()
+    mask[0, 150:170] = 0  # a hole
+    keep = mask.bool()
+    pack = lambda t: t.transpose(1, 2)[keep]  # [total, H, D]
+    cu = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cu[1:] = keep.sum(dim=-1).cumsum(0)
+    longest = int(keep.sum(dim=-1).max())
+    packed = ai8.int8_attention_varlen(pack(q), pack(k), pack(v), cu, cu, longest, longest, is_causal=is_causal)
+    out, msgs = recording_fallbacks(ai8.transformers_attention, None, q, k, v, mask, is_causal=is_causal)
+    assert msgs == [] and torch.equal(out[0][keep], packed) and not out[0][~keep].any()
+    if not is_causal:  # SDPA takes no mask with is_causal; its queries are all kept
+        out, msgs = recording_fallbacks(layers.int8_scaled_dot_product_attention, q, k, v,
+                                        attn_mask=keep[:, None, None], enable_gqa=True)
+        cu_q = torch.arange(4, dtype=torch.int32, device="cuda") * 200
+        expected = ai8.int8_attention_varlen(q.transpose(1, 2).reshape(600, 8, 128), pack(k), pack(v), cu_q, cu,
+                                             200, longest)
+        assert msgs == [] and torch.equal(out, expected.view(3, 200, 8, 128).transpose(1, 2))
 
 
 @requires_cuda

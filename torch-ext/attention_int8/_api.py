@@ -76,26 +76,28 @@ def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                    on_cpu=False)
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, return_lse, on_cpu):
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale, return_lse, on_cpu,
+            smooth_k=True):
     """`int8_attention_varlen`, on the kernel or (`on_cpu`) on the CPU reference."""
     offsets_q, offsets_k = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                is_causal, sm_scale, kernel_device=not on_cpu)
     if on_cpu:
-        out, lse = per_sequence_attention(int8_attention_reference, q, k, v, offsets_q, offsets_k, is_causal, sm_scale)
+        out, lse = per_sequence_attention(int8_attention_reference, q, k, v, offsets_q, offsets_k, is_causal, sm_scale,
+                                          smooth_k)
         return (out, lse) if return_lse else out
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     op = ops.int8_attention_varlen_forward_with_lse if return_lse else ops.int8_attention_varlen_forward
     return op(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, is_causal,
-              sm_scale, True)
+              sm_scale, smooth_k)
 
 
-def per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale):
+def per_sequence_attention(dense, q, k, v, offsets_q, offsets_k, is_causal, sm_scale, smooth_k=True):
     """``(out [total_q, Hq, D], lse [Hq, total_q])`` of packed q, k, v with one call of `dense` (the signature of
     `int8_attention_forward`; the CPU reference) per sequence, on ``[1, N, H, D]`` views."""
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
         out, lse = dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], is_causal=is_causal, sm_scale=sm_scale,
-                         tensor_layout="NHD", return_lse=True)
+                         tensor_layout="NHD", smooth_k=smooth_k, return_lse=True)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # no sequence at all

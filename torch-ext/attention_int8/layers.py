@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._api import int8_attention_forward
+from ._api import _varlen, int8_attention_forward
 from ._checks import HEAD_AXIS, SEQUENCE_AXIS, attention_input_error, device_error
 from .reference import int8_attention_reference
 
@@ -77,35 +77,34 @@ def _key_padding(attn_mask, q, k, layout, is_causal):
     return keep, None
 
 
-def _kept(t, keep_row, axis):
-    """The tokens of t (one batch row) that keep_row (bool, on the host) keeps: a view for a prefix (right padding),
-    else a gathered copy."""
-    count = int(keep_row.sum())
-    if bool(keep_row[:count].all()):
-        return t.narrow(axis, 0, count)
-    return t.index_select(axis, keep_row.nonzero().squeeze(1).to(t.device))
-
-
-def _per_row(q, k, v, keep_q, keep_k, layout, dense):
-    """`dense` attention of each batch row over the keys keep_k keeps, for the queries keep_q keeps (all if None;
-    the others output 0): one call per row on its kept tokens, so causal alignment counts kept tokens only."""
+def _padded_as_varlen(q, k, v, keep_q, keep_k, layout, is_causal, scale, smooth_k, on_cpu):
+    """Attention of each batch row over the keys keep_k keeps, for the queries keep_q keeps (all if None; the
+    others output 0), as one packed varlen call: causal alignment counts kept tokens only, as in FlashAttention's
+    unpadded path. Equal right padding needs no packing: one dense call on the common prefix."""
     n = SEQUENCE_AXIS[layout]
-    keep_k = keep_k.cpu()  # one synchronization: the row lengths decide the shapes
-    if keep_q is None:
-        lengths = keep_k.sum(dim=-1)
-        if bool((keep_k == (torch.arange(keep_k.shape[1]) < lengths[:, None])).all()) and \
-                bool((lengths == lengths[0]).all()):  # equal right padding: one call on the common prefix
-            return dense(q, k.narrow(n, 0, int(lengths[0])), v.narrow(n, 0, int(lengths[0])))
-        return torch.cat([dense(q[b:b + 1], _kept(k[b:b + 1], keep_k[b], n), _kept(v[b:b + 1], keep_k[b], n))
-                          for b in range(q.shape[0])])
-    keep_q = keep_q.cpu()
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    for b in range(q.shape[0]):
-        rows = keep_q[b].nonzero().squeeze(1).to(q.device)
-        out_b = dense(q[b:b + 1].index_select(n, rows), _kept(k[b:b + 1], keep_k[b], n),
-                      _kept(v[b:b + 1], keep_k[b], n))
-        out[b:b + 1].index_copy_(n, rows, out_b)
-    return out
+    keep_k = keep_k.cpu()  # one synchronization: the kept tokens decide the packed shapes
+    lengths_k = keep_k.sum(dim=-1)
+    if keep_q is None and bool((lengths_k == lengths_k[0]).all()) and bool(keep_k[:, :int(lengths_k[0])].all()):
+        op = int8_attention_reference if on_cpu else int8_attention_forward
+        return op(q, k.narrow(n, 0, int(lengths_k[0])), v.narrow(n, 0, int(lengths_k[0])), is_causal=is_causal,
+                  sm_scale=scale, tensor_layout=layout, smooth_k=smooth_k)
+    q, k, v = (t.transpose(1, 2) if layout == "HND" else t for t in (q, k, v))  # [B, N, H, D] views
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    keep_q = torch.ones(batch, seqlen_q, dtype=torch.bool) if keep_q is None else keep_q.cpu()
+
+    def pack(t, keep):  # the kept tokens of all rows, one after the other, and their offsets
+        rows = keep.flatten().nonzero().squeeze(1).to(t.device)
+        offsets = torch.zeros(batch + 1, dtype=torch.int32)
+        offsets[1:] = keep.sum(dim=-1).cumsum(0)
+        return t.reshape(-1, *t.shape[2:]).index_select(0, rows), rows, offsets.to(t.device)
+
+    q_packed, rows_q, cu_q = pack(q, keep_q)
+    (k_packed, _, cu_k), (v_packed, _, _) = pack(k, keep_k), pack(v, keep_k)
+    out_packed = _varlen(q_packed, k_packed, v_packed, cu_q, cu_k, int(keep_q.sum(dim=-1).max()),
+                         int(lengths_k.max()), is_causal, scale, False, on_cpu, smooth_k)
+    out = q.new_zeros(batch * seqlen_q, heads_q, head_dim).index_copy_(0, rows_q, out_packed)
+    out = out.view(batch, seqlen_q, heads_q, head_dim)
+    return out.transpose(1, 2).contiguous() if layout == "HND" else out
 
 
 def _bottom_right_mask(nq, nkv, device):
@@ -113,37 +112,53 @@ def _bottom_right_mask(nq, nkv, device):
     return torch.ones(nq, nkv, dtype=torch.bool, device=device).tril(nkv - nq)
 
 
-def _attention(q, k, v, *, layout, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               use_reference_on_cpu=False, bottom_right=False, smooth_k=True):
+def _kept_token_mask(keep_q, keep_k, is_causal):
+    """SDPA's boolean attn_mask [B, 1, Nq, Nkv] for attention among kept tokens only: query i sees key j iff both are
+    kept and, under is_causal, j's rank among the kept keys is at most i's among the kept queries plus the
+    difference of their counts (bottom-right alignment over kept tokens, as in `_padded_as_varlen`)."""
+    visible = keep_q[:, :, None] & keep_k[:, None, :]
+    if is_causal:  # ranks from the end: 0 for the last kept token
+        rank_q = keep_q.cumsum(-1) - keep_q.sum(-1, keepdim=True)
+        rank_k = keep_k.cumsum(-1) - keep_k.sum(-1, keepdim=True)
+        visible &= rank_k[:, None, :] <= rank_q[:, :, None]
+    return visible[:, None]
+
+
+def _attention(q, k, v, *, layout, attn_mask=None, kept_tokens=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False, use_reference_on_cpu=False, bottom_right=False, smooth_k=True):
     """Attention in `layout` ("HND" or "NHD") on the kernel, the CPU reference, or SDPA, whichever applies.
 
-    A key-padding attn_mask runs one kernel call per batch row on its kept keys. `bottom_right`: is_causal means the
-    kernel's bottom-right aligned mask (FlashAttention's) also for Nq != Nkv, as SDPA fallbacks then compute too.
+    A key-padding attn_mask, or `kept_tokens` (bool ``[B, Nq]`` and ``[B, Nkv]``: attention among the kept tokens
+    of each batch row, padded queries output 0), runs one varlen call on the kept tokens. `bottom_right`:
+    is_causal means the kernel's bottom-right aligned mask (FlashAttention's) also for Nq != Nkv, as SDPA
+    fallbacks then compute too.
     """
     reason = _fallback_reason(q, k, v, dropout_p, is_causal, scale, enable_gqa, layout, bottom_right)
-    keep = None
+    keep_q, keep_k = (None, None) if kept_tokens is None else kept_tokens
     if reason is None and attn_mask is not None:
-        keep, reason = _key_padding(attn_mask, q, k, layout, is_causal)
+        keep_k, reason = _key_padding(attn_mask, q, k, layout, is_causal)
     on_cpu = use_reference_on_cpu and q.device.type == k.device.type == v.device.type == "cpu"
     if reason is None and not on_cpu and (error := device_error((q, k, v), ("q", "k", "v"))):
         reason = str(error)
     if reason is not None:
         _warn_once(reason)
         n = SEQUENCE_AXIS[layout]
-        if is_causal and bottom_right and q.shape[n] != k.shape[n] and attn_mask is None:
+        if kept_tokens is not None:
+            attn_mask, is_causal = _kept_token_mask(keep_q, keep_k, is_causal), False
+        elif is_causal and bottom_right and q.shape[n] != k.shape[n] and attn_mask is None:
             attn_mask, is_causal = _bottom_right_mask(q.shape[n], k.shape[n], q.device), False
         if layout == "NHD":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if kept_tokens is not None:  # rows that see no kept key: 0, as the kernel gives, not SDPA's NaN
+            out = out.masked_fill(~attn_mask.any(dim=-1, keepdim=True), 0)
         return out.transpose(1, 2) if layout == "NHD" else out
 
+    if keep_k is not None:
+        return _padded_as_varlen(q, k, v, keep_q, keep_k, layout, is_causal, scale, smooth_k, on_cpu)
     op = int8_attention_reference if on_cpu else int8_attention_forward
-
-    def dense(q, k, v):
-        return op(q, k, v, is_causal=is_causal, sm_scale=scale, tensor_layout=layout, smooth_k=smooth_k)
-
-    return dense(q, k, v) if keep is None else _per_row(q, k, v, None, keep, layout, dense)
+    return op(q, k, v, is_causal=is_causal, sm_scale=scale, tensor_layout=layout, smooth_k=smooth_k)
 
 
 def int8_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -250,8 +265,9 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
 
     * None: no padding;
     * ``[B, Nkv]`` (bool or 0/1; what transformers builds for FlashAttention): the keys each row keeps (left or
-      right padding); the query at key position ``Nkv - Nq + i`` is kept with its key. Each row runs on its kept
-      tokens (causal counts kept tokens only) and padded query rows output 0, as FlashAttention's varlen path;
+      right padding); the query at key position ``Nkv - Nq + i`` is kept with its key. The rows' kept tokens run as
+      one packed varlen call (causal counts kept tokens only) and padded query rows output 0, as FlashAttention's
+      varlen path;
     * 4-D (an SDPA mask): `int8_scaled_dot_product_attention`'s rules (key-padding masks run the kernel).
 
     Hub strings (``attn_implementation="<org>/attention-int8"``, with or without ``:<function>``) do not reach this
@@ -280,15 +296,11 @@ def transformers_attention(module, query, key, value, attention_mask, scaling=No
     if tuple(attention_mask.shape) != (k.shape[0], k.shape[1]):
         raise ValueError(f"a 2-D attention_mask must be [B, Nkv] = {[k.shape[0], k.shape[1]]}, "
                          f"got {list(attention_mask.shape)}")
-    keep_k = attention_mask.bool()
-    keep_q = keep_k[:, k.shape[1] - q.shape[1]:] if q.shape[1] <= k.shape[1] else None
-    if keep_q is None:
+    if q.shape[1] > k.shape[1]:
         raise ValueError(f"more queries ({q.shape[1]}) than keys ({k.shape[1]}) with a [B, Nkv] attention_mask")
-
-    def dense(q, k, v):
-        return _attention(q, k, v, is_causal=is_causal, **options)
-
-    return _per_row(q, k, v, keep_q, keep_k, "NHD", dense), None
+    keep_k = attention_mask.bool()
+    keep_q = keep_k[:, k.shape[1] - q.shape[1]:]
+    return _attention(q, k, v, kept_tokens=(keep_q, keep_k), is_causal=is_causal, **options), None
 
 
 def register_diffusers_backend():
