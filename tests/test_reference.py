@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from _helpers import (LSE_ATOL, Case, accuracy_failures, activation_inputs, assert_accurate, center_inputs, lse_failures,
-                      make_qkv, metrics)
+from _helpers import (LSE_ATOL, REL_L1_MAX, Case, accuracy_failures, activation_inputs, assert_accurate, center_inputs,
+                      lse_failures, make_qkv, metrics)
 
 # (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
 # mask (leading rows see no key), Nq < Nkv, and a long square case.
@@ -312,7 +312,10 @@ def test_remedies_on_hard_inputs(ai8, kind, pv_precision):
     before = metrics(run(q, k, v, pv_precision=pv_precision), exact)
     out = run(q, k, v, pv_precision=pv_precision, smooth_q=True, balance_channels=True)
     after = metrics(out, exact)
-    assert after["rel_l1"] < before["rel_l1"] / (1.25 if kind == "q_offset" else 2.5), (before, after)
+    if before["rel_l1"] > REL_L1_MAX / 2:  # the remedies must cut a hard draw's error
+        assert after["rel_l1"] < before["rel_l1"] / (1.25 if kind == "q_offset" else 2.5), (before, after)
+    else:  # an easy draw (an offset that peaks attention: before 0.0071 once on a GPU run); they must keep it
+        assert after["rel_l1"] <= 1.05 * before["rel_l1"], (before, after)
     residual = HARD_RESIDUALS[kind, pv_precision]
     if residual is None:
         assert_accurate(out, exact, f"{kind} {pv_precision}")
