@@ -51,8 +51,8 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 
 // f(std::true_type{}) for packed sequences, f(std::false_type{}) for a dense batch.
 template <typename F>
-cudaError_t dispatch_packed(const AttentionParams& p, F&& f) {
-  return p.packed_q.cu_seqlens != nullptr ? f(std::true_type{}) : f(std::false_type{});
+cudaError_t dispatch_packed(const PackedSequences& packed, F&& f) {
+  return packed.cu_seqlens != nullptr ? f(std::true_type{}) : f(std::false_type{});
 }
 
 // The portable kernel's traits for p: f(Traits{}).
@@ -60,7 +60,7 @@ template <typename F>
 cudaError_t dispatch_portable_traits(const AttentionParams& p, F&& f) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      return dispatch_packed(p, [&](auto packed) {
+      return dispatch_packed(p.packed_q, [&](auto packed) {
         return f(AttentionKernelTraits<decltype(head_dim)::value, decltype(elem), decltype(packed)::value>{});
       });
     });
@@ -73,7 +73,7 @@ template <typename F>
 cudaError_t dispatch_sm90_traits(const AttentionParams& p, F&& f) {
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      return dispatch_packed(p, [&](auto packed) {
+      return dispatch_packed(p.packed_q, [&](auto packed) {
         constexpr int D = decltype(head_dim)::value;
         constexpr bool kPacked = decltype(packed)::value;
         using Elem = decltype(elem);

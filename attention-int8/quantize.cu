@@ -330,7 +330,8 @@ __device__ __forceinline__ void quantize_rows(const QuantizeParams& p) {
 }
 
 template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
-__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm) quantize_kernel(const QuantizeParams p, const PackedSequences packed) {
+__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm)
+    quantize_kernel(const QuantizeParams p, const PackedSequences packed) {
   if constexpr (kPacked) {  // one block of rows per sequence, as long as the longest
     quantize_rows<kHeadDim, Elem, kTokensPerScale, true>(narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z));
   } else {
@@ -455,7 +456,8 @@ __device__ __forceinline__ void key_center_block(const KeyCenterParams& p) {
 }
 
 template <int kHeadDim, typename Elem, bool kPacked>
-__global__ void __launch_bounds__(kCenterThreads, 1) key_center_kernel(const KeyCenterParams p, const PackedSequences packed) {
+__global__ void __launch_bounds__(kCenterThreads, 1)
+    key_center_kernel(const KeyCenterParams p, const PackedSequences packed) {
   ptx::allow_dependents();  // the K quantizer launches now and loads its rows while this runs
   if constexpr (kPacked) {
     const KeyCenterParams sequence = narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z);
@@ -476,12 +478,11 @@ cudaError_t launch_key_center(const KeyCenterParams& p, const PackedSequences& p
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
-      constexpr int kHeadDim = decltype(head_dim)::value;
-      using Elem = decltype(elem);
-      const auto kernel = packed.cu_seqlens != nullptr ? key_center_kernel<kHeadDim, Elem, true>
-                                                         : key_center_kernel<kHeadDim, Elem, false>;
-      kernel<<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p, packed);
-      return cudaGetLastError();
+      return dispatch_packed(packed, [&](auto is_packed) {
+        key_center_kernel<decltype(head_dim)::value, decltype(elem), decltype(is_packed)::value>
+            <<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p, packed);
+        return cudaGetLastError();
+      });
     });
   });
 }
@@ -495,13 +496,13 @@ cudaError_t launch_quantize(const QuantizeParams& p, const PackedSequences& pack
     constexpr int kHeadDim = decltype(head_dim)::value;
     const dim3 grid(ceil_div(p.seqlen_pad, QuantRowShape<kHeadDim>::kRowsPerBlock), p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
-      using Elem = decltype(elem);
-      const bool is_packed = packed.cu_seqlens != nullptr;
-      const auto kernel = p.tokens_per_scale == 1
-                              ? (is_packed ? quantize_kernel<kHeadDim, Elem, 1, true> : quantize_kernel<kHeadDim, Elem, 1, false>)
-                              : (is_packed ? quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, true>
-                                           : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, false>);
-      return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p, packed);
+      return dispatch_packed(packed, [&](auto is_packed) {
+        using Elem = decltype(elem);
+        constexpr bool kPacked = decltype(is_packed)::value;
+        const auto kernel = p.tokens_per_scale == 1 ? quantize_kernel<kHeadDim, Elem, 1, kPacked>
+                                                    : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, kPacked>;
+        return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p, packed);
+      });
     });
   });
 }

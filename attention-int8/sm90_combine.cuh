@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kv_splits_kernel(cons
   *reinterpret_cast<uint2*>(o_row + col) =
       make_uint2(ptx::pack2<Elem>(acc.x * inv, acc.y * inv), ptx::pack2<Elem>(acc.z * inv, acc.w * inv));
   if (p.lse != nullptr && col == 0)
-    *lse_slot<false>(p, int64_t(batch) * p.heads_q + head, head, q_row) = natural_lse(max_log2, weight_sum, stats[0].lse_shift);
+    *lse_slot<false>(p, int64_t(batch) * p.heads_q + head, head, q_row) =
+        natural_lse(max_log2, weight_sum, stats[0].lse_shift);
 }
 
 }  // namespace attention_int8

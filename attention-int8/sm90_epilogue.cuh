@@ -49,7 +49,8 @@ struct Sm90Epilogue {
       *reinterpret_cast<uint32_t*>(tile_row + col * sizeof(Elem)) = ptx::pack2<Elem>(o_acc[i] * inv_sum, o_acc[i + 1] * inv_sum);
     }
     if (p.lse != nullptr && tig == 0 && is_query_row(p, rows[r]))
-      *lse_slot<Traits::kPacked>(p, int64_t(batch) * p.heads_q + head, head, rows[r]) = natural_lse(row_max, sum, shift);
+      *lse_slot<Traits::kPacked>(p, int64_t(batch) * p.heads_q + head, head, rows[r]) =
+          natural_lse(row_max, sum, shift);
   }
 
   // The warp's staged 16 rows to global memory as whole 16-byte chunks of a row (straight from the accumulators a

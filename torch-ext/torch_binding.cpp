@@ -383,8 +383,9 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q,
   for (const auto& [name, bound] : {std::pair{"max_seqlen_q", max_seqlen_q}, std::pair{"max_seqlen_k", max_seqlen_k}})
     TORCH_CHECK_VALUE(bound >= 0, name, " must be at least 0, got ", bound);
   TORCH_CHECK_VALUE(q.size(0) <= INT32_MAX && k.size(0) <= INT32_MAX, "packed tensors must hold fewer than 2^31 rows");
-  const Operand q_op = packed_operand(q, cu_seqlens_q, max_seqlen_q), k_op = packed_operand(k, cu_seqlens_k, max_seqlen_k),
-                v_op = packed_operand(v, cu_seqlens_k, max_seqlen_k);
+  const Operand q_op = packed_operand(q, cu_seqlens_q, max_seqlen_q);
+  const Operand k_op = packed_operand(k, cu_seqlens_k, max_seqlen_k);
+  const Operand v_op = packed_operand(v, cu_seqlens_k, max_seqlen_k);
   const double scale = check_attention_operands(q, k, v, q_op.shape, k_op.shape, sm_scale);
   const Capability cc = checked_capability(q);
 
