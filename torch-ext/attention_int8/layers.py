@@ -77,31 +77,32 @@ def _key_padding(attn_mask, q, k, layout, is_causal):
     return keep, None
 
 
+def _equal_right_padding(keep_k):
+    """The kept length when every batch row keeps the same prefix of keys (keep_k bool [B, Nkv] on the host),
+    else None."""
+    length = int(keep_k[0].sum())
+    return length if bool(keep_k[:, :length].all()) and bool((keep_k.sum(dim=-1) == length).all()) else None
+
+
 def _padded_as_varlen(q, k, v, keep_q, keep_k, layout, is_causal, scale, smooth_k, on_cpu):
     """Attention of each batch row over the keys keep_k keeps, for the queries keep_q keeps (all if None; the
     others output 0), as one packed varlen call: causal alignment counts kept tokens only, as in FlashAttention's
-    unpadded path. Equal right padding needs no packing: one dense call on the common prefix."""
-    n = SEQUENCE_AXIS[layout]
-    keep_k = keep_k.cpu()  # one synchronization: the kept tokens decide the packed shapes
-    lengths_k = keep_k.sum(dim=-1)
-    if keep_q is None and bool((lengths_k == lengths_k[0]).all()) and bool(keep_k[:, :int(lengths_k[0])].all()):
-        op = int8_attention_reference if on_cpu else int8_attention_forward
-        return op(q, k.narrow(n, 0, int(lengths_k[0])), v.narrow(n, 0, int(lengths_k[0])), is_causal=is_causal,
-                  sm_scale=scale, tensor_layout=layout, smooth_k=smooth_k)
+    unpadded path. keep_q and keep_k are bool [B, N] on the host."""
     q, k, v = (t.transpose(1, 2) if layout == "HND" else t for t in (q, k, v))  # [B, N, H, D] views
     batch, seqlen_q, heads_q, head_dim = q.shape
-    keep_q = torch.ones(batch, seqlen_q, dtype=torch.bool) if keep_q is None else keep_q.cpu()
+    if keep_q is None:
+        keep_q = torch.ones(batch, seqlen_q, dtype=torch.bool)
 
-    def pack(t, keep):  # the kept tokens of all rows, one after the other, and their offsets
-        rows = keep.flatten().nonzero().squeeze(1).to(t.device)
+    def kept_rows(keep):  # the kept tokens' rows in [B * N], and each batch row's offset among them
         offsets = torch.zeros(batch + 1, dtype=torch.int32)
         offsets[1:] = keep.sum(dim=-1).cumsum(0)
-        return t.reshape(-1, *t.shape[2:]).index_select(0, rows), rows, offsets.to(t.device)
+        return keep.flatten().nonzero().squeeze(1).to(q.device), offsets.to(q.device)
 
-    q_packed, rows_q, cu_q = pack(q, keep_q)
-    (k_packed, _, cu_k), (v_packed, _, _) = pack(k, keep_k), pack(v, keep_k)
+    (rows_q, cu_q), (rows_k, cu_k) = kept_rows(keep_q), kept_rows(keep_k)
+    q_packed, k_packed, v_packed = (t.reshape(-1, *t.shape[2:]).index_select(0, rows)
+                                    for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
     out_packed = _varlen(q_packed, k_packed, v_packed, cu_q, cu_k, int(keep_q.sum(dim=-1).max()),
-                         int(lengths_k.max()), is_causal, scale, False, on_cpu, smooth_k)
+                         int(keep_k.sum(dim=-1).max()), is_causal, scale, False, on_cpu, smooth_k)
     out = q.new_zeros(batch * seqlen_q, heads_q, head_dim).index_copy_(0, rows_q, out_packed)
     out = out.view(batch, seqlen_q, heads_q, head_dim)
     return out.transpose(1, 2).contiguous() if layout == "HND" else out
@@ -156,7 +157,13 @@ def _attention(q, k, v, *, layout, attn_mask=None, kept_tokens=None, dropout_p=0
         return out.transpose(1, 2) if layout == "NHD" else out
 
     if keep_k is not None:
-        return _padded_as_varlen(q, k, v, keep_q, keep_k, layout, is_causal, scale, smooth_k, on_cpu)
+        keep_k = keep_k.cpu()  # one synchronization: the kept tokens decide the shapes
+        length = _equal_right_padding(keep_k) if kept_tokens is None else None
+        if length is None:
+            keep_q = None if keep_q is None else keep_q.cpu()
+            return _padded_as_varlen(q, k, v, keep_q, keep_k, layout, is_causal, scale, smooth_k, on_cpu)
+        n = SEQUENCE_AXIS[layout]  # equal right padding: one dense call on the common prefix, no packing
+        k, v = k.narrow(n, 0, length), v.narrow(n, 0, length)
     op = int8_attention_reference if on_cpu else int8_attention_forward
     return op(q, k, v, is_causal=is_causal, sm_scale=scale, tensor_layout=layout, smooth_k=smooth_k)
 
