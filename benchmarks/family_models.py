@@ -24,13 +24,12 @@ and the bf16 models' forward times (median of CUDA-event timings).
 import argparse
 import copy
 import json
-import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from _load import load_package
+from example_model import cos_sim, time_forward
 
 LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
@@ -142,24 +141,6 @@ def wan(ai8, device, dtype, config=WAN, latent=WAN_LATENT, text_tokens=TEXT_TOKE
 FAMILIES = {"llm": llm, "flux": flux, "wan": wan}
 
 
-def cos_sim(a, b):
-    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def time_ms(fn, warmup, repeats):
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"of {', '.join(FAMILIES)}; default: all")
@@ -182,7 +163,7 @@ def main():
         outs = {method: run() for method, run in runs.items()}
         agreement = {method: compare(outs[method], outs["fp32"]) for method in ("int8", "sdpa")}
         del outs, runs["fp32"]
-        ms = {method: time_ms(runs[method], args.warmup, args.repeats) for method in ("int8", "sdpa")}
+        ms = {method: time_forward(runs[method], (), args.warmup, args.repeats) for method in ("int8", "sdpa")}
         shown = {method: ", ".join(f"{k} {v:.6f}" for k, v in a.items()) for method, a in agreement.items()}
         print(f"| {name} | {label} | {shown['int8']} | {shown['sdpa']} | {ms['sdpa']:.1f} | {ms['int8']:.1f} | "
               f"{ms['sdpa'] / ms['int8']:.2f}x |", flush=True)
