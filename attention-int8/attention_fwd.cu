@@ -56,6 +56,22 @@ struct SmemLayout {
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
 };
 
+// Rows whose head dim the s8 MMA does not step through whole (D = 80, read as kQKDim = 96): the bytes past D of every
+// Q and K row in shared memory, which no copy writes, are zeroed once, and zeros add nothing to Q.K^T.
+template <typename Traits>
+__device__ __forceinline__ void zero_qk_padding(const SmemLayout<Traits>& smem, int tid) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int kPadChunks = (Traits::kQKDim - D) / 16, kRows = BM + Traits::kStages * BN;
+  if constexpr (kPadChunks > 0) {
+    for (int i = tid; i < kRows * kPadChunks; i += Traits::kThreads) {
+      const int row = i / kPadChunks, key = row - BM;
+      char* row_start =
+          row < BM ? smem.q + row * Traits::kQKRowBytes : smem.k(key / BN) + key % BN * Traits::kQKRowBytes;
+      *reinterpret_cast<uint4*>(row_start + D + i % kPadChunks * 16) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // Issues the cp.async copies of key tile `n_block` (int8 K, V) into `stage`.
 template <typename Traits>
 __device__ __forceinline__ void load_kv_tile_async(const SmemLayout<Traits>& smem, int stage, int n_block,
@@ -98,7 +114,9 @@ __device__ __forceinline__ void attention_tile(const AttentionParams& p) {
   // Keys this CTA must visit: all of them, or under the causal mask up to the last key its last row sees.
   const int n_blocks = visible_key_blocks(p, m0 + BM, BN);
 
-  // Prologue: Q tile (group 0) and the first K/V tile (group 1) in flight together.
+  // Prologue: Q tile (group 0) and the first K/V tile (group 1) in flight together; the barrier after them also
+  // publishes the zeroed padding.
+  zero_qk_padding(smem, tid);
   load_tile_async<BM, D, Traits::kQKRowBytes, T>(smem.q, reinterpret_cast<const char*>(q_tile), D, BM, tid);
   ptx::cp_async_commit();
   if (n_blocks > 0) load_kv_tile_async<Traits>(smem, 0, 0, k_head, v_head, p.v_view.row_stride, p.seqlen_kv, tid);

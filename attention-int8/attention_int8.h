@@ -26,7 +26,7 @@ static_assert(kKeyPad % kKeyScaleTokens == 0, "K's padding holds whole scale blo
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-constexpr bool head_dim_supported(int d) { return d == 64 || d == 96 || d == 128; }
+constexpr bool head_dim_supported(int d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
 
 // Which attention kernel runs, decided here alone: the Hopper kernel (wgmma, built for sm_90a) on compute
 // capability 9.0 for every supported head dim, the portable kernel everywhere else and whenever force_portable is
@@ -37,9 +37,11 @@ constexpr AttentionKernel choose_attention_kernel(int cc_major, int cc_minor, bo
 }
 
 // The Hopper kernel's INT8 rows (K's workspace, Q's shared-memory tile) are one 64- or 128-byte swizzle row, so
-// D = 96 runs on rows padded with zeros to 128 bytes: zeros add nothing to Q.K^T, and V's and O's channels past D
-// are zeros that are never stored.
-constexpr int sm90_row_bytes(int head_dim) { return head_dim <= 64 ? 64 : 128; }
+// D = 80 and 96 run on rows padded with zeros to 128 bytes: zeros add nothing to Q.K^T, and V's and O's channels past D
+// are zeros that are never stored. D = 256 rows are two 128-byte panels in each tile of kSm90TileRows rows
+// (swizzle.cuh): a K tile, a consumer's Q tile, and the block of K the quantizer writes as one.
+constexpr int sm90_row_bytes(int head_dim) { return head_dim <= 64 ? 64 : (head_dim <= 128 ? 128 : 256); }
+constexpr int kSm90TileRows = 64;
 
 // Rows of an [B, H, N, D] tensor addressed by strides (in elements; the D stride must be 1).
 struct RowMajorView {
@@ -80,8 +82,9 @@ struct QuantizeParams {
   float out_scale;
   ElemType dtype;
   // For the sm90 kernel: store each row's 16-byte chunks in the K-major swizzled order of swizzle.cuh, in rows
-  // of sm90_row_bytes(D) bytes (D = 96: zeros after the data), the shared-memory image the sm90 kernel's wgmma
-  // reads, so it loads tiles with plain contiguous copies. x_q is then [B, H, n_pad, sm90_row_bytes(D)].
+  // of sm90_row_bytes(D) bytes (D = 96: zeros after the data; D = 256: two panels a tile), the shared-memory image
+  // the sm90 kernel's wgmma reads, so it loads tiles with plain contiguous copies. x_q is then
+  // [B, H, n_pad, sm90_row_bytes(D)].
   bool sm90_layout;
   // Launched as a programmatic dependent of the stream's previous kernel (sm_90+, dispatch.cuh): K's
   // centre's, whose output is `mean`.

@@ -16,8 +16,10 @@ template <typename F>
 cudaError_t dispatch_head_dim(int head_dim, F&& f) {
   switch (head_dim) {
     case 64: return f(std::integral_constant<int, 64>{});
+    case 80: return f(std::integral_constant<int, 80>{});
     case 96: return f(std::integral_constant<int, 96>{});
     case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
     default: return cudaErrorInvalidValue;
   }
 }

@@ -5,13 +5,15 @@
 #include <cstdint>
 
 #include "attention_int8.h"
+#include "swizzle.cuh"
 
 namespace attention_int8 {
 
-// Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp, the fastest measured for every head dim
-// (docs/DESIGN.md, rationale); 32-key tiles keep the D = 96/128 accumulators in registers. kPacked: the params
-// describe packed sequences (PackedSequences), to which each CTA first narrows them.
-template <int kHeadDim_, typename Elem_, bool kPacked_ = false, int kMTiles_ = 2,
+// Portable kernel (mma.sync, sm_80+). Two m16 tiles per warp, the fastest measured for every head dim up to 128
+// (docs/DESIGN.md, rationale); 32-key tiles keep the D = 96/128 accumulators in registers, and at D = 256, where O
+// alone takes 128 registers a tile, one m16 tile a warp does. kPacked: the params describe packed sequences
+// (PackedSequences), to which each CTA first narrows them.
+template <int kHeadDim_, typename Elem_, bool kPacked_ = false, int kMTiles_ = (kHeadDim_ <= 128 ? 2 : 1),
           int kBlockN_ = (kHeadDim_ <= 64 ? 64 : 32)>
 struct AttentionKernelTraits {
   using Elem = Elem_;  // __half or __nv_bfloat16: V, P and O
@@ -20,7 +22,10 @@ struct AttentionKernelTraits {
   static constexpr int kBlockM = 128;
   static_assert(kQueryPad % kBlockM == 0, "Q is padded to kQueryPad rows");
   static constexpr int kBlockN = kBlockN_;
-  static_assert(kHeadDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::SmallIntScale");
+  // The s8 MMA consumes the head dim 32 at a time: D = 80 runs as 96 on INT8 rows whose bytes past D are zeros in
+  // shared memory (zero_qk_padding), so Q and K stay D bytes a row in global memory.
+  static constexpr int kQKDim = (kHeadDim + 31) / 32 * 32;
+  static_assert(kQKDim * 127 * 127 < (1 << 22), "S accumulators must stay exact in ptx::SmallIntScale");
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kKeyScaleTokens % kBlockN == 0, "a key tile lies inside one K scale block");
 
@@ -34,11 +39,11 @@ struct AttentionKernelTraits {
   static_assert(kBlockM % kWarpRows == 0, "warps must tile the query block");
   static constexpr int kStages = 2;  // K/V double buffering with cp.async
 
-  static_assert(kHeadDim % 32 == 0, "the s8 MMA consumes the head dim 32 at a time");
+  static_assert(kHeadDim % 16 == 0, "rows are whole 16-byte chunks, and O whole pairs of n8 tiles");
   static_assert(kBlockN % 16 == 0, "P.V consumes keys 16 at a time");
 
   // Fragment counts per warp.
-  static constexpr int kQKSteps = kHeadDim / 32;  // m16n8k32 steps along D for S = Q K^T
+  static constexpr int kQKSteps = kQKDim / 32;    // m16n8k32 steps along D for S = Q K^T
   static constexpr int kSTiles = kBlockN / 8;     // n8 tiles of S (keys)
   static constexpr int kPVSteps = kBlockN / 16;   // m16n8k16 steps along keys for O += P V
   static constexpr int kOTiles = kHeadDim / 8;    // n8 tiles of O (head dim)
@@ -46,7 +51,7 @@ struct AttentionKernelTraits {
 
   // Shared memory. Rows are padded by 16 bytes: ldmatrix reads 8 rows at the same column, and a row
   // pitch of 16 * odd bytes puts those 8 16-byte reads in 8 distinct bank groups (no conflicts).
-  static constexpr int kQKRowBytes = kHeadDim + 16;  // int8 Q and K rows
+  static constexpr int kQKRowBytes = kQKDim + 16;  // int8 Q and K rows
   static constexpr int kVRowBytes = kHeadDim * 2 + 16;
   static_assert((kQKRowBytes / 16) % 2 == 1 && (kVRowBytes / 16) % 2 == 1, "pitch must be an odd multiple of 16 B");
 
@@ -69,25 +74,31 @@ struct AttentionKernelTraits {
 // warpgroups' wgmmas keep the tensor cores busy, and on its scheduler a consumer warp is alone with
 // one warp per other consumer. At D = 128 three consumers (160 registers a thread) fit 64-key S and P tiles
 // next to O. At D = 64, whose wgmmas are half as long and whose O is half the size, a fourth consumer (112
-// registers) keeps one more softmax in flight (docs/DESIGN.md, rationale).
+// registers) keeps one more softmax in flight (docs/DESIGN.md, rationale). At D = 256 O and its sums alone are 132
+// registers: two consumers (240 registers) hold them, and two 56 KB stages fit beside O's staging tiles.
 // kPacked as in the portable kernel's traits.
 template <int kHeadDim_, typename Elem_, bool kTakeTurns_ = false, bool kPacked_ = false,
-          int kConsumers_ = (kHeadDim_ == 64 ? 4 : 3), int kBlockN_ = 64, int kStages_ = 4>
+          int kConsumers_ = (kHeadDim_ == 64 ? 4 : (kHeadDim_ <= 128 ? 3 : 2)), int kBlockN_ = 64,
+          int kStages_ = (kHeadDim_ <= 128 ? 4 : 2)>
 struct Sm90AttentionKernelTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;  // the data's: Q, V and O rows, K's centre
   static constexpr bool kPacked = kPacked_;
-  // The matrix products' head dim: an INT8 row must be one 64- or 128-byte swizzle row, so D = 96 runs as 128 on
-  // rows padded with zeros (sm90_row_bytes), for 4/3 of the matrix work.
+  // The matrix products' head dim: an INT8 row must be one 64- or 128-byte swizzle row or two 128-byte panels, so
+  // D = 80 and 96 run as 128 on rows padded with zeros (sm90_row_bytes), for 8/5 and 4/3 of the matrix work.
   static constexpr int kMmaDim = sm90_row_bytes(kHeadDim);
-  static_assert(kHeadDim == kMmaDim || (kHeadDim == 96 && kMmaDim == 128), "D = 64 and 128, or 96 padded to 128");
+  static_assert(kHeadDim == kMmaDim || (kMmaDim == 128 && kHeadDim % 16 == 0),
+                "D = 64, 128 and 256, or 80 and 96 padded to 128");
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kConsumerRows = 64;  // a consumer's query rows: the m64 of its wgmmas
   static constexpr int kBlockM = kConsumerRows * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static_assert(kKeyPad % kBlockN == 0, "K is padded to kKeyPad rows");
   static_assert(kBlockN == kKeyScaleTokens, "a key tile is one K scale block");
-  static_assert(2 * kMmaDim * 127 * 127 < (1 << 22), "S - max(S) must stay exact in ptx::SmallIntScale");
+  static_assert(kBlockN == kSm90TileRows && kConsumerRows == kSm90TileRows, "K and Q tiles are panelled alike");
+  // Whether S - max(S), down to -2 * D' * 127^2, stays exact as a float in ptx::SmallIntScale's integer add (below
+  // 2^22 in magnitude); at D' = 256 it does not, and the softmax converts it instead (Sm90Softmax::exponentiate).
+  static constexpr bool kGapFitsMagic = 2 * kMmaDim * 127 * 127 < (1 << 22);
   static constexpr int kThreads = (1 + kConsumers) * 128;
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr int kMinBlocksPerSm = 1;
@@ -107,7 +118,8 @@ struct Sm90AttentionKernelTraits {
   static constexpr bool kTakeTurns = kTakeTurns_;
   static_assert(!kTakeTurns || kMmaDim == 128, "turns are measured slower at D = 64");
 
-  static constexpr int kQKRowBytes = kMmaDim;    // INT8 Q and K rows: the K-major swizzle width
+  static constexpr int kQKRowBytes = kMmaDim;    // INT8 Q and K rows
+  static constexpr int kQKAtomBytes = swizzle::kAtomRowBytes<kQKRowBytes>;  // their K-major swizzle width
   static constexpr int kQKSteps = kMmaDim / 32;   // k32 wgmma steps for S = Q K^T
   static constexpr int kPVSteps = kBlockN / 16;   // k16 wgmma steps for O += P V
   static constexpr int kSAccRegs = kBlockN / 2;   // m64 x kBlockN accumulator registers per thread
@@ -116,6 +128,9 @@ struct Sm90AttentionKernelTraits {
   static constexpr int kSumColumns = 8;
   static constexpr int kPVN = kMmaDim + kSumColumns;
   static constexpr int kOAccRegs = kPVN / 2;      // m64 x (kMmaDim + 8): O, then the row sums
+  // A wgmma is at most 256 wide: at D' = 256 the P.V runs as channels 0-127, then 128-255 with the sum columns.
+  static constexpr int kPVFirstN = kPVN <= 256 ? kPVN : 128;
+  static constexpr int kPVSecondN = kPVN - kPVFirstN;  // 0: one wgmma
   static constexpr int kOutRegs = kMmaDim / 2;    // the O part (D = 96: its last 32 channels are zeros)
 
   // V boxes: kBlockN keys x 64 channels, one 128-byte swizzle row per key. After them, each stage holds

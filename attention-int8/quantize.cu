@@ -17,24 +17,30 @@
 namespace attention_int8 {
 namespace {
 
-constexpr int kQuantWarps = 8;
+constexpr int kQuantWarps = 8;  // per block, unless a K scale block needs more (QuantRowShape)
 constexpr int kChunkElems = 8;  // each lane owns 8 consecutive elements: one 16-byte load
 constexpr int kRowIters = 4;    // row groups per warp
-// Quantizer blocks per SM: holds its two paths (quantize_kernel) to 64 registers; unbounded they took 77.
-constexpr int kQuantBlocksPerSm = 4;
+// Quantizer warps per SM, in blocks of QuantRowShape::kWarps: holds its two paths (quantize_kernel) to 64 registers;
+// unbounded they took 77.
+constexpr int kQuantWarpsPerSm = 4 * kQuantWarps;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCenterThreads = 4 * kCenterSampleKeys;  // 4 sample rows a thread at D = 128; the first
                                                        // kCenterSampleKeys threads rank one row each
 
 // A row of kHeadDim elements spreads over a power-of-two group of lanes (idle lanes past the row's
-// end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads.
+// end for D = 96), so one warp quantizes 32 / kLanes rows at once with 16-byte loads. A block has kQuantWarps warps,
+// or at D = 256 (a row a warp) the 16 that make one K scale block.
 template <int kHeadDim>
 struct QuantRowShape {
   static constexpr int kChunks = kHeadDim / kChunkElems;
   static constexpr int kLanes = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
   static constexpr int kRowsPerWarp = 32 / kLanes;
   static constexpr int kRowsPerWarpPass = kRowsPerWarp * kRowIters;  // consecutive rows
-  static constexpr int kRowsPerBlock = kQuantWarps * kRowsPerWarpPass;
+  static constexpr int kWarps = kKeyScaleTokens / kRowsPerWarpPass > kQuantWarps ? kKeyScaleTokens / kRowsPerWarpPass
+                                                                                  : kQuantWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlocksPerSm = kQuantWarpsPerSm / kWarps;
+  static constexpr int kRowsPerBlock = kWarps * kRowsPerWarpPass;
   static_assert(kHeadDim % kChunkElems == 0 && kChunks <= 32, "unsupported head dim");
   // A K scale block is whole warps of one CTA: its amax is a max over warps through shared memory.
   static_assert(kKeyScaleTokens % kRowsPerWarpPass == 0 && kRowsPerBlock % kKeyScaleTokens == 0,
@@ -166,7 +172,7 @@ __device__ __forceinline__ uint32_t reduce_over_scale_block(const uint32_t (&max
 #pragma unroll
   for (int it = 0; it < kRowIters; ++it) bits = max(bits, max_bits[it]);
   bits = group_reduce<32>(bits, quant::UnsignedMax{});
-  __shared__ uint32_t warp_max_bits[kQuantWarps];
+  __shared__ uint32_t warp_max_bits[QuantRowShape<kHeadDim>::kWarps];
   const int warp = threadIdx.x / 32, first = warp / kWarpsPerScale * kWarpsPerScale;
   if (threadIdx.x % 32 == 0) warp_max_bits[warp] = bits;
   __syncthreads();
@@ -209,10 +215,11 @@ __device__ __forceinline__ void store_values(const QuantizeParams& p, const RowC
   if (!r.active && !padding) return;
   // A group holding a non-finite value stores zeros (its scale is NaN), as reference.py does.
   const uint2 q8 = g.finite ? make_uint2(quant::quantize4(x, g.inv_scale), quant::quantize4(x + 4, g.inv_scale)) : make_uint2(0, 0);
-  // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row.
+  // This lane's 8 bytes are half of 16-byte chunk chunk / 2, which the swizzle moves within the row (at D = 256,
+  // within its tile's panel).
   int row_bytes = kHeadDim, byte_in_row = chunk * kChunkElems;
   if (p.sm90_layout)
-    row_bytes = kSm90RowBytes, byte_in_row = swizzle::chunk_position<kSm90RowBytes>(r.n, chunk / 2) * 16 + (chunk % 2) * 8;
+    row_bytes = kSm90RowBytes, byte_in_row = swizzle::chunk_offset<kSm90RowBytes, kSm90TileRows>(r.n, chunk / 2) + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * row_bytes + byte_in_row) = q8;
 }
 
@@ -236,7 +243,7 @@ __device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bo
   // Blocks start in linear order, x fastest: that order's block one wave (the blocks all SMs hold at once)
   // later. 32 bits hold the index: a block is 64 rows of at least 128 bytes, so 2^32 of them would be 32 TiB.
   const uint32_t per_batch = gridDim.x * gridDim.y;
-  const uint32_t ahead = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + p.sm_count * kQuantBlocksPerSm;
+  const uint32_t ahead = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + p.sm_count * QuantRowShape<kHeadDim>::kBlocksPerSm;
   if (ahead >= per_batch * gridDim.z) return;
   const uint32_t in_batch = ahead % per_batch;
   const int b = ahead / per_batch, h = in_batch / gridDim.x, n = (in_batch % gridDim.x) * kRows;
@@ -253,7 +260,7 @@ template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial, bool 
 __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
-  const int first_n = (blockIdx.x * kQuantWarps + threadIdx.x / 32) * Shape::kRowsPerWarpPass + lane / Shape::kLanes;
+  const int first_n = (blockIdx.x * Shape::kWarps + threadIdx.x / 32) * Shape::kRowsPerWarpPass + lane / Shape::kLanes;
   RowChunk rows[kRowIters];
   alignas(16) Elem e8[kRowIters][kChunkElems];
 #pragma unroll
@@ -330,7 +337,7 @@ __device__ __forceinline__ void quantize_rows(const QuantizeParams& p) {
 }
 
 template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
-__global__ void __launch_bounds__(kQuantWarps * 32, kQuantBlocksPerSm)
+__global__ void __launch_bounds__(QuantRowShape<kHeadDim>::kThreads, QuantRowShape<kHeadDim>::kBlocksPerSm)
     quantize_kernel(const QuantizeParams p, const PackedSequences packed) {
   if constexpr (kPacked) {  // one block of rows per sequence, as long as the longest
     quantize_rows<kHeadDim, Elem, kTokensPerScale, true>(narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z));
@@ -501,7 +508,7 @@ cudaError_t launch_quantize(const QuantizeParams& p, const PackedSequences& pack
         constexpr bool kPacked = decltype(is_packed)::value;
         const auto kernel = p.tokens_per_scale == 1 ? quantize_kernel<kHeadDim, Elem, 1, kPacked>
                                                     : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, kPacked>;
-        return launch(kernel, grid, kQuantWarps * 32, 0, stream, p.programmatic_launch, p, packed);
+        return launch(kernel, grid, QuantRowShape<kHeadDim>::kThreads, 0, stream, p.programmatic_launch, p, packed);
       });
     });
   });

@@ -124,9 +124,14 @@ struct Sm90Mainloop {
         lane(threadIdx.x % 32),
         n_begin(n_begin_),
         k_scales(k_scales_head + n_begin_),
-        q_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(q_tile))),
-        k_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKRowBytes>(smem_.k(0)))),
+        q_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKAtomBytes>(q_tile))),
+        k_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKAtomBytes>(smem_.k(0)))),
         v_desc(ptx::keep_in_register(wgmma::make_desc<128>(smem_.v(0), Traits::kSmemVBoxBytes, 8 * 128))) {}
+
+  // Where k32 step ks of S starts in a Q or K tile (in the second panel from step 4 on at D' = 256).
+  __device__ __forceinline__ static constexpr uint32_t k_step_bytes(int ks) {
+    return swizzle::chunk_offset<Traits::kQKRowBytes, kSm90TileRows>(0, 2 * ks);
+  }
 
   // This consumer's turn to issue wgmmas, and handing it on (no-ops without turn-taking).
   __device__ __forceinline__ void take_turn() const {
@@ -159,10 +164,20 @@ struct Sm90Mainloop {
   // Issues O += P V-tile for tile n_block (asynchronous; one commit group). Its V has landed: the step of that
   // tile waited for its stage.
   __device__ __forceinline__ void issue_pv(float (&o_acc)[kORegs], int n_block) {
+    constexpr int kFirstN = Traits::kPVFirstN, kSecondN = Traits::kPVSecondN;
     const uint64_t v_stage_desc = wgmma::advance_desc(v_desc, stage_of<Traits>(n_block) * Traits::kSmemStageBytes);
 #pragma unroll
-    for (int kk = 0; kk < Traits::kPVSteps; ++kk)  // keys 16 kk.. are 128-byte rows 16 kk.. of every box
-      wgmma::mma_pv<Traits::kPVN, Elem>(o_acc, p_frag[kk], wgmma::advance_desc(v_stage_desc, kk * 16 * 128));
+    for (int kk = 0; kk < Traits::kPVSteps; ++kk) {  // keys 16 kk.. are 128-byte rows 16 kk.. of every box
+      const uint64_t desc = wgmma::advance_desc(v_stage_desc, kk * 16 * 128);
+      if constexpr (kSecondN == 0) {
+        wgmma::mma_pv<kFirstN, Elem>(o_acc, p_frag[kk], desc);
+      } else {  // the second wgmma's channels start kFirstN in: at that box, and at that accumulator register
+        constexpr int kSecondBoxBytes = kFirstN / Traits::kVBoxChannels * Traits::kSmemVBoxBytes;
+        wgmma::mma_pv<kFirstN, Elem>(*reinterpret_cast<float(*)[kFirstN / 2]>(o_acc), p_frag[kk], desc);
+        wgmma::mma_pv<kSecondN, Elem>(*reinterpret_cast<float(*)[kSecondN / 2]>(o_acc + kFirstN / 2), p_frag[kk],
+                                      wgmma::advance_desc(desc, kSecondBoxBytes));
+      }
+    }
     wgmma::commit_group();
   }
 
@@ -186,8 +201,8 @@ struct Sm90Mainloop {
     const uint64_t k_stage_desc = wgmma::advance_desc(k_desc, stage * Traits::kSmemStageBytes);
 #pragma unroll
     for (int ks = 0; ks < Traits::kQKSteps; ++ks)
-      wgmma::mma_qk_s8<Traits::kBlockN>(s_int, wgmma::advance_desc(q_desc, ks * 32),
-                                        wgmma::advance_desc(k_stage_desc, ks * 32), ks);
+      wgmma::mma_qk_s8<Traits::kBlockN>(s_int, wgmma::advance_desc(q_desc, k_step_bytes(ks)),
+                                        wgmma::advance_desc(k_stage_desc, k_step_bytes(ks)), ks);
     wgmma::commit_group();
     if constexpr (!kFirst) issue_pv(o_acc, n_block - 1);
     pass_turn();

@@ -35,10 +35,16 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits, __nv_bfloat16) {
 }
 
 // The thread's raw Q: raw[r][c] holds Q[rows[r]][32 c + 8 tig + e], e < 8 (16 bytes); rows that hold no query, and
-// channels from D on (D = 96's padding), are zeros. Loaded before the CTA's set-up, whose barrier wait then hides
-// the latency.
+// channels from D on (D = 80's and 96's padding), are zeros. Loaded before the CTA's set-up, whose barrier wait then
+// hides the latency.
 template <typename Traits>
 using QRowsRaw = uint4[2][Traits::kQKSteps];
+
+// Whether the thread's 8 channels from 32 c + 8 tig hold data (D = 80 ends inside a 32-channel step).
+template <typename Traits>
+__device__ __forceinline__ bool holds_channels(int c, int tig) {
+  return 32 * c + (Traits::kHeadDim % 32 == 0 ? 0 : 8 * tig) < Traits::kHeadDim;
+}
 
 template <typename Traits>
 __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch, int head, const int (&rows)[2], int tig,
@@ -50,8 +56,9 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
     const Elem* row = q_head + int64_t(rows[r]) * p.q_view.row_stride + 8 * tig;
 #pragma unroll
     for (int c = 0; c < Traits::kQKSteps; ++c)
-      raw[r][c] = 32 * c < Traits::kHeadDim && is_query_row(p, rows[r]) ? *reinterpret_cast<const uint4*>(row + 32 * c)
-                                                                        : make_uint4(0, 0, 0, 0);
+      raw[r][c] = holds_channels<Traits>(c, tig) && is_query_row(p, rows[r])
+                      ? *reinterpret_cast<const uint4*>(row + 32 * c)
+                      : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -100,7 +107,7 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int i = 0; i < kPerRow; ++i)
-        if (32 * (i / 8) < Traits::kHeadDim) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
+        if (holds_channels<Traits>(i / 8, tig)) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
     ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
@@ -115,9 +122,9 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
 #pragma unroll
     for (int c = 0; c < kSteps; ++c) {  // bytes 32 c + 8 tig.. of the row: half of one 16-byte chunk
       const int row = warp_in_group * 16 + group + 8 * r, byte = 32 * c + 8 * tig;
-      *reinterpret_cast<uint2*>(q_tile + row * kRowBytes + swizzle::chunk_position<kRowBytes>(row, byte / 16) * 16 +
-                                byte % 16) = make_uint2(quant::quantize4(&x[r][8 * c], inv_scale[r]),
-                                                        quant::quantize4(&x[r][8 * c + 4], inv_scale[r]));
+      char* chunk = q_tile + row * kRowBytes + swizzle::chunk_offset<kRowBytes, kSm90TileRows>(row, byte / 16);
+      *reinterpret_cast<uint2*>(chunk + byte % 16) = make_uint2(quant::quantize4(&x[r][8 * c], inv_scale[r]),
+                                                                quant::quantize4(&x[r][8 * c + 4], inv_scale[r]));
     }
   return q;
 }

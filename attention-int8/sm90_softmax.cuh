@@ -63,12 +63,15 @@ __device__ __forceinline__ void mask_logits(const AttentionParams& p, int32_t (&
 // logit on its own would leave a residual of 2^13 in the exponent. In other tiles, t - m rides on
 // -1.5 * 2^23 * c and is resolved to within 0.75 c, one integer step of S: negligible at ordinary logits
 // (c ~ 1e-5), but at fp16 extremes (c ~ 1e4) a key less than a step below the row's max may weigh 1 instead of
-// 2^-gap ~ 0, well inside the INT8 logits' own uncertainty of many steps.
+// 2^-gap ~ 0, well inside the INT8 logits' own uncertainty of many steps. Where S - S_max can exceed 2^22 in
+// magnitude (D' = 256, Traits::kGapFitsMagic), its float comes from the conversion unit instead, exact below
+// 2^24, and the FMA's addend is t - m alone, which makes the other tiles' exponents exact too.
 // Maxima are balanced trees, both rows side by side: while the other warpgroups' wgmmas run, this warp is often
 // its scheduler's only eligible one.
+//
 // A tile's exponent for the thread's two rows: the logit scale c, the FMA's bias, the rescale factor of O, and
-// magic - S_max (S plus this is the bit pattern of 1.5 * 2^23 + (S - S_max)). A value of one step, so that its
-// registers are free once the step's exponentials are done.
+// magic - S_max (S plus this is the bit pattern of 1.5 * 2^23 + (S - S_max); -S_max without the magic). A value of
+// one step, so that its registers are free once the step's exponentials are done.
 struct TileExponent {
   float c[2], bias[2], alpha[2];
   uint32_t minus_max_bits[2];
@@ -99,8 +102,13 @@ struct Sm90Softmax {
       const float base = kMasked ? exponent_base(m_new) : m_new;
       e.alpha[r] = rescale_factor(row_max[r], base);
       row_max[r] = m_new;
-      e.bias[r] = logit.neg_magic_scale + (tile_max - base);
-      e.minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
+      if constexpr (Traits::kGapFitsMagic) {
+        e.bias[r] = logit.neg_magic_scale + (tile_max - base);
+        e.minus_max_bits[r] = uint32_t(ptx::kSmallIntMagicBits) - uint32_t(tile_max_int[r]);
+      } else {
+        e.bias[r] = tile_max - base;
+        e.minus_max_bits[r] = 0u - uint32_t(tile_max_int[r]);
+      }
     }
     return e;
   }
@@ -112,7 +120,9 @@ struct Sm90Softmax {
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) {
       const int r = wgmma::accumulator_row(i);
-      p[i] = ptx::exp2_approx(fmaf(__uint_as_float(uint32_t(s_int[i]) + e.minus_max_bits[r]), e.c[r], e.bias[r]));
+      const uint32_t gap = uint32_t(s_int[i]) + e.minus_max_bits[r];  // S - S_max, or its magic float's bits
+      const float gap_float = Traits::kGapFitsMagic ? __uint_as_float(gap) : __int2float_rn(int32_t(gap));
+      p[i] = ptx::exp2_approx(fmaf(gap_float, e.c[r], e.bias[r]));
       if constexpr (kMasked) p[i] = s_int[i] == kMaskedLogit ? 0.f : p[i];
     }
   }

@@ -3,7 +3,8 @@
 // Shared-memory operand layouts (swizzle.cuh gives the chunk order):
 //  - K-major (Q, K: INT8 rows of 64 or 128 bytes, Traits::kMmaDim): rows of kRowBytes, swizzled in atoms of 8
 //    rows; the descriptor's stride byte offset (SBO) is the atom, 8 * kRowBytes. A K step inside the
-//    row is a plain start-address offset: the hardware applies the XOR.
+//    row is a plain start-address offset: the hardware applies the XOR. 256-byte rows are two panels of
+//    128-byte rows (swizzle.cuh), and a K step in the second panel starts there.
 //  - MN-major (V, the B operand of P.V, read transposed): TMA boxes of 64 keys x 64 channels (128 B of
 //    16-bit channels per key row), 128-byte swizzle. SBO steps 8 keys (1024 B), the leading byte offset
 //    (LBO) steps to the box of the next 64 channels (after V's last box: the box of ones whose first 8
@@ -70,28 +71,29 @@ __device__ __forceinline__ void fence_operands(T (&regs)[N]) {
   }
 }
 
-// Operand lists of the wgmmas below: accumulators first (32 for the m64n64 S, 36 and 68 for the m64n72
-// and m64n136 P.V), then the A registers (P.V) or descriptor (S), the B descriptor and the scale-d flag.
+// Operand lists of the wgmmas below: accumulators first (32 for the m64n64 S, 36, 64 and 68 for the m64n72,
+// m64n128 and m64n136 P.V), then the A registers (P.V) or descriptor (S), the B descriptor and the scale-d flag.
 #define AI8_ACC_REGS_32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define AI8_ACC_REGS_36 AI8_ACC_REGS_32 ", %32, %33, %34, %35"
-#define AI8_ACC_REGS_68 \
+#define AI8_ACC_REGS_64 \
   AI8_ACC_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67"
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define AI8_ACC_REGS_68 AI8_ACC_REGS_64 ", %64, %65, %66, %67"
 #define AI8_ACC_OPERANDS_32(c) \
     "+" c(d[0]), "+" c(d[1]), "+" c(d[2]), "+" c(d[3]), "+" c(d[4]), "+" c(d[5]), "+" c(d[6]), "+" c(d[7]), \
     "+" c(d[8]), "+" c(d[9]), "+" c(d[10]), "+" c(d[11]), "+" c(d[12]), "+" c(d[13]), "+" c(d[14]), "+" c(d[15]), \
     "+" c(d[16]), "+" c(d[17]), "+" c(d[18]), "+" c(d[19]), "+" c(d[20]), "+" c(d[21]), "+" c(d[22]), "+" c(d[23]), \
     "+" c(d[24]), "+" c(d[25]), "+" c(d[26]), "+" c(d[27]), "+" c(d[28]), "+" c(d[29]), "+" c(d[30]), "+" c(d[31])
 #define AI8_ACC_OPERANDS_36(c) AI8_ACC_OPERANDS_32(c), "+" c(d[32]), "+" c(d[33]), "+" c(d[34]), "+" c(d[35])
-#define AI8_ACC_OPERANDS_68(c) \
+#define AI8_ACC_OPERANDS_64(c) \
     AI8_ACC_OPERANDS_36(c), \
     "+" c(d[36]), "+" c(d[37]), "+" c(d[38]), "+" c(d[39]), \
     "+" c(d[40]), "+" c(d[41]), "+" c(d[42]), "+" c(d[43]), "+" c(d[44]), "+" c(d[45]), "+" c(d[46]), "+" c(d[47]), \
     "+" c(d[48]), "+" c(d[49]), "+" c(d[50]), "+" c(d[51]), "+" c(d[52]), "+" c(d[53]), "+" c(d[54]), "+" c(d[55]), \
-    "+" c(d[56]), "+" c(d[57]), "+" c(d[58]), "+" c(d[59]), "+" c(d[60]), "+" c(d[61]), "+" c(d[62]), "+" c(d[63]), \
-    "+" c(d[64]), "+" c(d[65]), "+" c(d[66]), "+" c(d[67])
+    "+" c(d[56]), "+" c(d[57]), "+" c(d[58]), "+" c(d[59]), "+" c(d[60]), "+" c(d[61]), "+" c(d[62]), "+" c(d[63])
+#define AI8_ACC_OPERANDS_68(c) AI8_ACC_OPERANDS_64(c), "+" c(d[64]), "+" c(d[65]), "+" c(d[66]), "+" c(d[67])
 
 // d (+)= a * b^T for one k32 step of S = Q K^T: a = 64 x 32 s8 and b = kN x 32 s8, both K-major in shared
 // memory (descriptors), kN / 2 int32 accumulators. scale_d == 0 overwrites d.
@@ -123,14 +125,18 @@ __device__ __forceinline__ void mma_qk_s8<64>(int32_t (&d)[32], uint64_t desc_a,
   }
 AI8_WGMMA_PV(72, __half, "f16", 36, "%36, %37, %38, %39", "%40", "%41")
 AI8_WGMMA_PV(72, __nv_bfloat16, "bf16", 36, "%36, %37, %38, %39", "%40", "%41")
+AI8_WGMMA_PV(128, __half, "f16", 64, "%64, %65, %66, %67", "%68", "%69")
+AI8_WGMMA_PV(128, __nv_bfloat16, "bf16", 64, "%64, %65, %66, %67", "%68", "%69")
 AI8_WGMMA_PV(136, __half, "f16", 68, "%68, %69, %70, %71", "%72", "%73")
 AI8_WGMMA_PV(136, __nv_bfloat16, "bf16", 68, "%68, %69, %70, %71", "%72", "%73")
 #undef AI8_WGMMA_PV
 #undef AI8_ACC_REGS_32
 #undef AI8_ACC_REGS_36
+#undef AI8_ACC_REGS_64
 #undef AI8_ACC_REGS_68
 #undef AI8_ACC_OPERANDS_32
 #undef AI8_ACC_OPERANDS_36
+#undef AI8_ACC_OPERANDS_64
 #undef AI8_ACC_OPERANDS_68
 
 }  // namespace wgmma

@@ -1,6 +1,7 @@
 """INT8 attention vs torch SDPA (flash and cuDNN backends): time, TFLOP/s, peak memory and accuracy.
 
-    python benchmarks/bench_attention.py [--quick] [--out-dir benchmarks/out] [--append-results benchmarks/results-log.md]
+    python benchmarks/bench_attention.py [--quick | --shapes KEY ...] [--out-dir benchmarks/out]
+                                         [--append-results benchmarks/results-log.md]
 
 Every method runs on the same inputs in one process. The INT8 time includes the quantization of Q and K (it
 happens inside the op). Timed calls rotate over several input sets whose total size exceeds the L2 cache, so no
@@ -60,6 +61,9 @@ SHAPES = [
     Shape("llm prefill gqa", 4, 32, 8, 8192, 128, True),
     Shape("d64", 16, 16, 16, 4096, 64, False),
     Shape("d96 llm prefill", 4, 32, 32, 4096, 96, True),  # Phi-3-mini: 32 heads of 96 channels
+    Shape("d80 llm prefill", 4, 32, 32, 4096, 80, True),  # Phi-2: 32 heads of 80 channels
+    Shape("d256 llm prefill gqa", 4, 16, 8, 4096, 256, True),  # Gemma-2-9B: 16 query and 8 K/V heads of 256
+    Shape("d256", 1, 24, 24, 4096, 256, False),
 ]
 QUICK_SHAPES = [SHAPES[i] for i in (0, 2, 5, 7, 8)]
 # Short names of the shapes that RESULTS.md's per-version rows time (op_time.py, kernel_times.py): A, B, C, G
@@ -67,7 +71,7 @@ QUICK_SHAPES = [SHAPES[i] for i in (0, 2, 5, 7, 8)]
 NAMED_SHAPES = {
     "A": SHAPES[0], "A4608": SHAPES[1], "B": SHAPES[2], "B32768": SHAPES[3], "C": SHAPES[4], "C8192": SHAPES[5],
     "G": SHAPES[6], "G8192": SHAPES[7], "D": SHAPES[8], "Dc": Shape("d64 causal", 4, 16, 16, 4096, 64, True),
-    "P96": SHAPES[9],
+    "P96": SHAPES[9], "P80": SHAPES[10], "P256": SHAPES[11], "I256": SHAPES[12],
 }
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 METHODS = [*SDPA_BACKENDS, "int8"]
@@ -285,6 +289,8 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a handful of shapes, float16 only")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(NAMED_SHAPES), metavar="SHAPE",
+                        help="only these keys of NAMED_SHAPES (both dtypes unless --quick)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks" / "out")
     parser.add_argument("--append-results", type=pathlib.Path, metavar="MARKDOWN",
                         help="append the results block to this file (e.g. benchmarks/results-log.md)")
@@ -297,7 +303,7 @@ def main():
     env = environment()
     print(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}; attention_int8: "
           f"{loaded_from}")
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    shapes = [NAMED_SHAPES[key] for key in args.shapes] if args.shapes else QUICK_SHAPES if args.quick else SHAPES
     dtypes = [torch.float16] if args.quick else [torch.float16, torch.bfloat16]
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []

@@ -22,6 +22,7 @@ WORKLOADS = {
     "image": (1, 24, 24, 4096, 128, False, True),  # image diffusion (a 1024x1024 image's 4096 tokens)
     "video": (1, 24, 24, 16384, 128, False, True),  # video diffusion
     "d64": (16, 16, 16, 4096, 64, False, True),  # head dim 64
+    "d256": (1, 24, 24, 4096, 256, False, True),  # head dim 256
     "prefill_gqa": (4, 32, 8, 8192, 128, True, False),  # causal GQA prefill
 }
 

@@ -29,6 +29,9 @@ def lse_ref_atol(dtype):
 
 KINDS = ("normal", "k_offset", "q_shift")
 
+# SUPPORTED_HEAD_DIMS (test_errors.py holds the two equal), spelled out so that test ids need no package import.
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
 # The binding runs the Hopper (wgmma) kernel on compute capability 9.0 (D = 96 on rows padded to 128) and the
 # portable mma.sync kernel otherwise; ATTENTION_INT8_FORCE_PORTABLE=1 (read per call) forces the portable one.
 KERNELS = ("auto", "portable")
@@ -236,13 +239,16 @@ ODD_CASES = (
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=65, seqlen_kv=129, head_dim=128, layout="NHD"),
     Case(batch=2, heads_q=3, heads_kv=1, seqlen_q=200, seqlen_kv=200, is_causal=True, dtype=torch.bfloat16),
     Case(heads_q=4, heads_kv=1, seqlen_q=64, seqlen_kv=129, head_dim=96, layout="NHD", kind="k_offset"),
+    Case(seqlen_q=65, seqlen_kv=129, head_dim=256, is_causal=True, dtype=torch.bfloat16),
+    Case(heads_q=2, heads_kv=1, seqlen_q=129, seqlen_kv=65, head_dim=80, is_causal=True, kind="q_shift"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_kv=77, head_dim=256, layout="NHD", kind="k_offset"),
 )
 
 
 # Split-KV, the Hopper kernel's (elsewhere these run unsplit): ATTENTION_INT8_KV_SPLITS=n splits every non-causal
 # tile's key tiles (64 keys) n ways. 1000 keys = 16 tiles (uneven thirds; the masked tail in the last split),
 # 200 = 4 (one tile a split at n = 4), 130 = 3 (n = 4 capped at 3); causal attention is never split. D = 96: the
-# combine's rows of 24 threads straddle its 128-thread blocks.
+# combine's rows of 24 threads straddle its 128-thread blocks; D = 256: a block holds 2 rows of 64.
 KV_SPLIT_CASES = [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=1000, head_dim=128),
     Case(heads_q=8, heads_kv=1, seqlen_q=129, seqlen_kv=200, head_dim=64, dtype=torch.bfloat16, layout="NHD",
@@ -250,4 +256,5 @@ KV_SPLIT_CASES = [
     Case(heads_q=2, heads_kv=2, seqlen_q=16, seqlen_kv=130, head_dim=128, dtype=torch.bfloat16, kind="q_shift"),
     Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=500, seqlen_kv=700, head_dim=64, is_causal=True),
     Case(batch=2, heads_q=3, heads_kv=3, seqlen_q=200, seqlen_kv=777, head_dim=96, layout="NHD", kind="k_offset"),
+    Case(heads_q=4, heads_kv=2, seqlen_q=130, seqlen_kv=500, head_dim=256, dtype=torch.bfloat16),
 ]

@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python tests/sanitizer_cases.py    (also racecheck, synccheck, initcheck)
 
 Covers N = 1, tails of the 128-row query and 64/128-key tiles (65, 129, 200), Nq > Nkv under the causal
-mask, GQA/MQA, both layouts, D 64/96/128 (tests/_helpers.py: ODD_CASES) on both kernels, the Hopper kernel's
+mask, GQA/MQA, both layouts, D 64/96/128/256 (tests/_helpers.py: ODD_CASES) on both kernels, the Hopper kernel's
 split-KV path and its combine (KV_SPLIT_CASES, forced 2 to 4 ways), the standalone quantizer, and K's centre
 (each kind of tests/_helpers.py: center_inputs, sampling all keys and a strided sample). Exits non-zero if any
 result disagrees with the references.
@@ -31,7 +31,7 @@ def main():
             os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "1" if kernel == "portable" else "0"
             failures += [f"{kernel} kernel: {f}" for f in check_case(ai8, case, generator)]
     os.environ["ATTENTION_INT8_FORCE_PORTABLE"] = "0"
-    split_cases = tuple(zip((2, 3, 4, 2), (*KV_SPLIT_CASES[:3], KV_SPLIT_CASES[-1])))  # the last: D = 96
+    split_cases = tuple(zip((2, 3, 4, 2, 3), (*KV_SPLIT_CASES[:3], *KV_SPLIT_CASES[-2:])))  # the last: D = 96, 256
     for splits, case in split_cases:
         os.environ["ATTENTION_INT8_KV_SPLITS"] = str(splits)
         failures += [f"{splits} key splits: {f}" for f in check_case(ai8, case, generator)]

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from _helpers import KERNELS, Case, assert_accurate, make_qkv, reference_failures, select_kernel
+from _helpers import HEAD_DIMS, KERNELS, Case, assert_accurate, make_qkv, reference_failures, select_kernel
 from conftest import requires_cuda
 
 
@@ -36,10 +36,10 @@ ARGUMENT_CASES = {
     "head_dim_mismatch": (lambda q, k, v: ((q, k[..., :64], v[..., :64]), {}), ValueError, [r"head_dim"]),
     "kv_shape_mismatch": (lambda q, k, v: ((q, k, v[:, :, :8]), {}), ValueError, [r"\bk\b", r"\bv\b", r"shape"]),
     "heads_not_multiple": (lambda q, k, v: ((q[:, :3], k, v), {}), ValueError, [r"heads", r"multiple"]),
-    "head_dim_80": (lambda q, k, v: ((q[..., :80], k[..., :80], v[..., :80]), {}), ValueError,
-                    [r"\b80\b", r"\b64\b", r"\b96\b", r"\b128\b"]),
-    "head_dim_256": (lambda q, k, v: ((_wide(q), _wide(k), _wide(v)), {}), ValueError,
-                     [r"\b256\b", r"\b64\b", r"\b96\b", r"\b128\b"]),
+    "head_dim_72": (lambda q, k, v: ((q[..., :72], k[..., :72], v[..., :72]), {}), ValueError,
+                    [r"\b72\b", r"\b64\b", r"\b80\b", r"\b96\b", r"\b128\b", r"\b256\b"]),
+    "head_dim_512": (lambda q, k, v: ((_wide(_wide(q)), _wide(_wide(k)), _wide(_wide(v))), {}), ValueError,
+                     [r"\b512\b", r"\b64\b", r"\b80\b", r"\b96\b", r"\b128\b", r"\b256\b"]),
     "float32": (lambda q, k, v: ((q.float(), k.float(), v.float()), {}), TypeError, [r"float16", r"bfloat16"]),
     "mixed_dtypes": (lambda q, k, v: ((q, k.bfloat16(), v), {}), TypeError, [r"dtype"]),
     "layout": (lambda q, k, v: ((q, k, v), {"tensor_layout": "BHND"}), ValueError,
@@ -62,6 +62,10 @@ def _assert_raises(exc, patterns, fn, *args, **kwargs):
     message = str(info.value)
     for pattern in patterns:
         assert re.search(pattern, message, re.IGNORECASE), f"{pattern!r} not in {message!r}"
+
+
+def test_tests_cover_every_supported_head_dim(ai8):
+    assert HEAD_DIMS == ai8.SUPPORTED_HEAD_DIMS
 
 
 @pytest.mark.parametrize("case", list(ARGUMENT_CASES) + list(PYTHON_ONLY_CASES))
@@ -97,7 +101,7 @@ def test_key_center_argument_checks(ai8):
     _assert_raises(ValueError, [r"\bk\b", r"at least one key"], ai8.key_center, k[:, :, :0])
     _assert_raises(TypeError, [r"\bk\b", r"float16 or bfloat16"], ai8.key_center, k.float())
     _assert_raises(ValueError, [r"tensor_layout"], ai8.key_center, k, tensor_layout="BHND")
-    _assert_raises(ValueError, [r"\bk\b", r"head_dim"], ai8.key_center, _wide(_wide(k)))
+    _assert_raises(ValueError, [r"\bk\b", r"head_dim"], ai8.key_center, _wide(_wide(_wide(k))))
     _assert_raises(TypeError, [r"\bk\b", r"torch.Tensor"], ai8.key_center, k.tolist())
     _assert_raises(ValueError, [r"\bk\b", r"CUDA"], ai8.key_center, k.cpu())
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from _helpers import (CENTER_KINDS, COS_MIN, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, REL_L1_MAX, Case,
+from _helpers import (CENTER_KINDS, COS_MIN, HEAD_DIMS, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, REL_L1_MAX, Case,
                       accuracy_failures, activation_inputs, center_inputs, check_case, check_quantize, kernel_params,
                       make_qkv, metrics, poison_like, reference_failures, lse_ref_atol, select_kernel, to_layout)
 from conftest import requires_cuda, requires_sm90
@@ -43,7 +43,7 @@ HEADS = [(1, 2, 2), (2, 8, 2), (1, 8, 1), (2, 6, 3)]
 
 def _grid():
     """Every shape x head dim x dtype; heads, layout and input kind rotate so each value meets many others."""
-    for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, (64, 96, 128), DTYPES)):
+    for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, HEAD_DIMS, DTYPES)):
         b, hq, hkv = HEADS[i % len(HEADS)]
         if b * hq * nq < 16:  # the bars are for whole outputs: a few rows alone are too noisy a sample
             b, hq, hkv = HEADS[1]
@@ -96,7 +96,7 @@ def _strided(x_hnd, view):
 
 @pytest.mark.parametrize("view", ["fused_qkv", "seq_slice", "misaligned", "last_dim", "expanded_kv_heads"])
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_views(ai8, monkeypatch, view, head_dim, kernel, dtype):
     select_kernel(monkeypatch, kernel)
@@ -122,7 +122,7 @@ def test_strided_views(ai8, monkeypatch, view, head_dim, kernel, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("tokens_per_scale", [1, 64])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_quantize_matches_reference(ai8, layout, dtype, with_mean, tokens_per_scale, head_dim):
     # Tokens of very different magnitudes, so a block's amax is one token's; 777 = 12 blocks + 9 rows.
     x_hnd = torch.randn(2, 3, 777, head_dim, device="cuda") * torch.rand(2, 3, 777, 1, device="cuda") * 4
@@ -156,7 +156,7 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen", [1, 5, 100, 128, 129, 1000, 4608])
 def test_key_center_matches_reference(ai8, dtype, head_dim, seqlen):
     """The kernel's centre of K is bit-identical to reference.key_center: the same sampled keys, the same keys
@@ -204,7 +204,7 @@ def test_lse(ai8, monkeypatch, kernel, kind):
 @pytest.mark.skipif(bool(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING")), reason="needs the caching allocator")
 @pytest.mark.parametrize("kernel, kv_splits, head_dim",
                          [("auto", None, 128), ("portable", None, 128), ("auto", 3, 128), ("auto", None, 96),
-                          ("auto", 3, 96)])
+                          ("auto", 3, 96), ("auto", None, 256), ("portable", None, 256), ("auto", 3, 256)])
 def test_output_fully_written(ai8, monkeypatch, kernel, kv_splits, head_dim):
     """Poison the memory the op's outputs will get: in a private memory pool, fill a big block with all-ones
     bytes (NaN in fp16 and fp32) and free it; inside that pool it is the only memory the op's allocations
@@ -368,10 +368,10 @@ def test_kv_split_only_for_a_partial_last_wave(ai8, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_hopper_kernel_serves_every_head_dim(ai8, monkeypatch, head_dim):
     """On compute capability 9.0 the Hopper kernel runs every supported head dim (D = 96 on rows padded to 128
-    channels), and its result is accurate; ATTENTION_INT8_FORCE_PORTABLE=1 still selects the portable kernel."""
+    channels, D = 256 on two-panel rows), and its result is accurate; ATTENTION_INT8_FORCE_PORTABLE=1 still selects the portable kernel."""
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=777, head_dim=head_dim, is_causal=True,
                 kind="k_offset")
     q, k, v = make_qkv(case, "cuda")

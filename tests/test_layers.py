@@ -62,7 +62,7 @@ FALLBACKS = {
     "dropout": (lambda dev: (qkv(2, 4, 4, 64, 64, 64, torch.float16, dev), dict(dropout_p=0.25)), "dropout"),
     "3-D": (lambda dev: ((torch.randn(4, 64, 64, dtype=torch.float16, device=dev),) * 3, {}), "4-D"),
     "float32": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.float32, dev), {}), "float16 or torch.bfloat16"),
-    "head_dim_80": (lambda dev: (qkv(1, 2, 2, 64, 64, 80, torch.float16, dev), {}), "head_dim 80"),
+    "head_dim_72": (lambda dev: (qkv(1, 2, 2, 64, 64, 72, torch.float16, dev), {}), "head_dim 72"),
     "v_head_dim": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, dev, d_v=128), {}), "same shape"),
     "negative_scale": (lambda dev: (qkv(1, 2, 2, 64, 64, 64, torch.float16, dev), dict(scale=-0.125)), "sm_scale"),
     "causal_nq_ne_nkv": (lambda dev: (qkv(1, 2, 2, 48, 96, 64, torch.float16, dev), dict(is_causal=True)),
@@ -100,10 +100,10 @@ def test_cpu_without_reference_falls_back(layers):
 
 def test_each_reason_warns_once(layers):
     fp32 = qkv(1, 2, 2, 16, 16, 64, torch.float32, "cpu")
-    d80 = qkv(1, 2, 2, 16, 16, 80, torch.float16, "cpu")
+    d72 = qkv(1, 2, 2, 16, 16, 72, torch.float16, "cpu")
     _, msgs = run_recording_fallbacks(
-        lambda: [layers.int8_scaled_dot_product_attention(*inputs) for inputs in (fp32, d80, fp32, d80, d80)])
-    assert len(msgs) == 2 and "bfloat16" in msgs[0] and "head_dim 80" in msgs[1], msgs
+        lambda: [layers.int8_scaled_dot_product_attention(*inputs) for inputs in (fp32, d72, fp32, d72, d72)])
+    assert len(msgs) == 2 and "bfloat16" in msgs[0] and "head_dim 72" in msgs[1], msgs
 
 
 @pytest.mark.filterwarnings("ignore:attention_int8")

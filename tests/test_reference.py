@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from _helpers import (LSE_ATOL, REL_L1_MAX, Case, accuracy_failures, activation_inputs, assert_accurate, center_inputs,
-                      lse_failures, make_qkv, metrics)
+from _helpers import (HEAD_DIMS, LSE_ATOL, REL_L1_MAX, Case, accuracy_failures, activation_inputs, assert_accurate,
+                      center_inputs, lse_failures, make_qkv, metrics)
 
 # (Nq, Nkv, causal): single rows, tails of the kernel's 128-row / 64-key tiles, Nq > Nkv under the causal
 # mask (leading rows see no key), Nq < Nkv, and a long square case.
@@ -29,7 +29,7 @@ OPTIONS = {"int8": dict(pv_precision="int8"), "fp16-remedies": dict(smooth_q=Tru
 
 def _grid():
     """Every shape x head dim x dtype; heads, layout and input kind rotate so each value meets many others."""
-    for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, (64, 96, 128), DTYPES)):
+    for i, ((nq, nkv, causal), d, dtype) in enumerate(itertools.product(SHAPES, HEAD_DIMS, DTYPES)):
         hq, hkv = HEADS[i % len(HEADS)]
         # The bars are for whole outputs, and a few rows are too noisy a sample (_helpers.py): at least 32 query rows
         # (cheap here). With 6 rows the q_shift case at N = 3 failed 2 of 200 draws, one with 12 rows failed on the

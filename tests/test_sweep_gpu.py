@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from _helpers import KINDS, ODD_CASES, Case, check_case, kernel_params, select_kernel
+from _helpers import HEAD_DIMS, KINDS, ODD_CASES, Case, check_case, kernel_params, select_kernel
 from conftest import requires_cuda
 
 pytestmark = requires_cuda
@@ -23,7 +23,7 @@ def _random_cases(count):
         heads_kv, group = rng.choice((1, 2, 3)), rng.choice((1, 2, 4))
         yield Case(batch=rng.choice((1, 2, 3)), heads_q=heads_kv * group, heads_kv=heads_kv,
                    seqlen_q=int(2 ** rng.uniform(0, 12)), seqlen_kv=int(2 ** rng.uniform(0, 12)),  # 1 .. 4095
-                   head_dim=rng.choice((64, 96, 128)), is_causal=rng.random() < 0.5,
+                   head_dim=rng.choice(HEAD_DIMS), is_causal=rng.random() < 0.5,
                    dtype=rng.choice((torch.float16, torch.bfloat16)), layout=rng.choice(("HND", "NHD")),
                    kind=rng.choice(KINDS))
 

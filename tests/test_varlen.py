@@ -58,7 +58,7 @@ BAD_ARGS = {
     "k_not_tensor": (_replace(1, 3.0), TypeError, "k must be a torch.Tensor"),
     "float32": (_replace(0, lambda q: q.float()), TypeError, "one dtype"),
     "heads": (_replace(0, lambda q: q[:, :3]), ValueError, "multiple of the number of k/v heads"),
-    "head_dim": (_replace(0, lambda q: torch.randn(8, 4, 80, dtype=torch.float16)), ValueError, "head_dim"),
+    "head_dim": (_replace(0, lambda q: torch.randn(8, 4, 72, dtype=torch.float16)), ValueError, "head_dim"),
     "cu_int64": (_replace(3, lambda cu: cu.long()), TypeError, "cu_seqlens_q must be a torch.int32"),
     "cu_list": (_replace(4, [0, 4, 10]), TypeError, "cu_seqlens_k must be a torch.Tensor"),
     "cu_2d": (_replace(3, lambda cu: cu[None]), ValueError, "1-D tensor"),

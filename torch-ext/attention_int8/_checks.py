@@ -13,7 +13,7 @@ import torch
 
 from .reference import KEY_TOKENS_PER_SCALE
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_AXIS = {"HND": 1, "NHD": 2}  # the layouts, and where each keeps its heads
 SEQUENCE_AXIS = {"HND": 2, "NHD": 1}
