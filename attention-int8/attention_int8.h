@@ -26,7 +26,13 @@ static_assert(kKeyPad % kKeyScaleTokens == 0, "K's padding holds whole scale blo
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-constexpr bool head_dim_supported(int d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+// The head dims both kernels are built for (dispatch_head_dim lists the same; _checks.py's SUPPORTED_HEAD_DIMS too).
+constexpr int kSupportedHeadDims[] = {64, 80, 96, 128, 256};
+constexpr bool head_dim_supported(int d) {
+  for (int supported : kSupportedHeadDims)
+    if (d == supported) return true;
+  return false;
+}
 
 // Which attention kernel runs, decided here alone: the Hopper kernel (wgmma, built for sm_90a) on compute
 // capability 9.0 for every supported head dim, the portable kernel everywhere else and whenever force_portable is

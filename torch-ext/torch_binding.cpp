@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #include "../attention-int8/attention_int8.h"
@@ -130,9 +131,15 @@ int forced_kv_splits() {
   return static_cast<int>(std::min<long>(splits, ai8::kMaxKvSplits));
 }
 
+std::string supported_head_dims() {
+  std::string list;
+  for (int d : ai8::kSupportedHeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
+  return list;
+}
+
 void check_sizes(const Shape& s, const char* name) {
   TORCH_CHECK_VALUE(ai8::head_dim_supported(static_cast<int>(s.head_dim)), name, " has head_dim ", s.head_dim,
-                    "; supported head dims are 64, 96 and 128");
+                    "; supported head dims are ", supported_head_dims());
   TORCH_CHECK_VALUE(s.seqlen <= kMaxSeqlen, name, " has sequence length ", s.seqlen, "; at most ", kMaxSeqlen,
                     " is supported");
   TORCH_CHECK_VALUE(s.batch <= kMaxGridDim && s.heads <= kMaxGridDim, name, " has batch ", s.batch, " and heads ",
