@@ -219,7 +219,8 @@ __device__ __forceinline__ void store_values(const QuantizeParams& p, const RowC
   // within its tile's panel).
   int row_bytes = kHeadDim, byte_in_row = chunk * kChunkElems;
   if (p.sm90_layout)
-    row_bytes = kSm90RowBytes, byte_in_row = swizzle::chunk_offset<kSm90RowBytes, kSm90TileRows>(r.n, chunk / 2) + (chunk % 2) * 8;
+    row_bytes = kSm90RowBytes,
+    byte_in_row = swizzle::chunk_offset<kSm90RowBytes, kSm90TileRows>(r.n, chunk / 2) + (chunk % 2) * 8;
   *reinterpret_cast<uint2*>(p.x_q + r.row * row_bytes + byte_in_row) = q8;
 }
 
@@ -243,7 +244,8 @@ __device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bo
   // Blocks start in linear order, x fastest: that order's block one wave (the blocks all SMs hold at once)
   // later. 32 bits hold the index: a block is 64 rows of at least 128 bytes, so 2^32 of them would be 32 TiB.
   const uint32_t per_batch = gridDim.x * gridDim.y;
-  const uint32_t ahead = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + p.sm_count * QuantRowShape<kHeadDim>::kBlocksPerSm;
+  const uint32_t ahead =
+      blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + p.sm_count * QuantRowShape<kHeadDim>::kBlocksPerSm;
   if (ahead >= per_batch * gridDim.z) return;
   const uint32_t in_batch = ahead % per_batch;
   const int b = ahead / per_batch, h = in_batch / gridDim.x, n = (in_batch % gridDim.x) * kRows;
