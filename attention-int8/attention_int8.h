@@ -78,11 +78,14 @@ struct QuantizeParams {
   const float* mean;  // [B, H, D] fp32 contiguous, or nullptr
   int8_t* x_q;
   float* scale;
-  // Optional, from the unquantized row: row_dot[b, h, n] = x[b, h, n, :] . dot_vec[b, h / dot_head_group, :].
+  // Optional, from the unquantized row: row_dot[b, h, n] = x[b, h, n, :] . dot_vec[b, h / head_group, :].
   // Q rows dotted with K's centre give the logit shift that K smoothing removed, which the LSE needs.
-  const float* dot_vec;  // [B, H / dot_head_group, D] fp32 contiguous, or nullptr
-  int dot_head_group;
+  const float* dot_vec;  // [B, H / head_group, D] fp32 contiguous, or nullptr
   float* row_dot;        // [B, H, seqlen_pad]
+  // Optional, channel balancing: channel d of every row is multiplied by channel_scale[b, h / head_group, d] after
+  // the mean's subtraction and before the amax (Q: the factors s, K: 1 / s; KeyCenterParams). row_dot is unscaled.
+  const float* channel_scale;  // [B, H / head_group, D] fp32 contiguous, or nullptr
+  int head_group;  // rows of H per row of dot_vec and channel_scale: Q heads per K/V head for Q, 1 for K
   int batch, heads, seqlen, seqlen_pad, head_dim;
   int tokens_per_scale;  // 1 or kKeyScaleTokens
   float out_scale;
@@ -185,6 +188,7 @@ struct AttentionParams {
   // row_dot). Both nullptr otherwise.
   const float* k_center;
   const float* q_center_dot;
+  const float* q_balance;  // sm90: channel balancing's factors s ([B, Hkv, D] fp32) for the Q tiles, or nullptr
   float sm_scale;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
@@ -212,13 +216,30 @@ struct AttentionParams {
 //   itself (benchmarks/smoothing_center.py). More NaN distances than that leave no key: centre NaN.
 // - The centre is the kept keys' mean. The sums are fp64 and exact for fp16 data (and for ordinarily ranged
 //   bf16), so the order of summation does not matter and reference.py's key_center matches bit for bit.
+//
+// Channel balancing (issue 46) takes its ranges from the same sample: channel_range[b, h, d] = max |x_d - center_d|
+// over the sample rows (fp32). Channel d of Q is then multiplied by s_d and of K by 1 / s_d, which keeps q . k and
+// gives both quantizers the range sqrt(q_range k_range), so no outlier channel of K owns its INT8 range:
+//   s_d = sqrt(k_range_d / q_range_d), q_range_d the max over the query heads that share the K/V head,
+// or 1 where s_d is not finite, 0, or within a factor kBalanceMinFactor of 1 (reference.py: balance_factors). Q or K
+// of fewer than kCenterSampleKeys rows reports ranges of 0, so factors of 1: a few rows' max is far below 128's.
+// Q's launch writes channel_range alone; K's launch, which runs after it (as its programmatic dependent on sm_90),
+// reads Q's ranges as query_range and writes s and 1 / s to balance and balance_inverse.
 struct KeyCenterParams {
   const void* x;
   RowMajorView x_view;
   float* center;  // [B, H, D]; a packed sequence (launch_key_center) without keys gets zeros
   int batch, heads, seqlen, head_dim;
   ElemType dtype;
+  float* channel_range;      // [B, H, D], or nullptr (no balancing)
+  const float* query_range;  // K's launch: [B, H * query_group, D] from Q's launch, or nullptr (no factors)
+  int query_group;
+  float* balance;            // [B, H, D]: s
+  float* balance_inverse;    // [B, H, D]: 1 / s
+  bool programmatic_launch;  // K's launch, as the dependent of Q's (sm_90+)
 };
+
+constexpr float kBalanceMinFactor = 2.f;  // reweighting channels already balanced, by sampling noise, costs accuracy
 
 constexpr int kCenterSampleKeys = 128;
 constexpr int kCenterTrimDivisor = 32;

@@ -123,17 +123,22 @@ __device__ __forceinline__ void load_channels(const float* x, float (&c8)[kChunk
   }
 }
 
-// Element e of the lane's part of a row, as fp32 with the mean subtracted; and all 8 of them.
+// Element e of the lane's part of a row, as fp32 with the mean subtracted.
 template <typename Elem>
 __device__ __forceinline__ float centered(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems], int e) {
   return r.has_data ? to_float(e8[e]) - mean[e] : 0.f;
 }
 
+// What the quantizer rounds: the 8 centered values times their channels' balancing factors (1 without balancing).
+struct ChannelShift {
+  float mean[kChunkElems], scale[kChunkElems];
+};
+
 template <typename Elem>
-__device__ __forceinline__ void centered_chunk(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems],
+__device__ __forceinline__ void centered_chunk(const RowChunk& r, const Elem (&e8)[kChunkElems], const ChannelShift& c,
                                                float (&x)[kChunkElems]) {
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, mean, e);
+  for (int e = 0; e < kChunkElems; ++e) x[e] = centered(r, e8, c.mean, e) * c.scale[e];
 }
 
 // The max |x| bits of 8 values, and of the lane's part of a row.
@@ -145,9 +150,9 @@ __device__ __forceinline__ uint32_t values_max_bits(const float (&x)[kChunkElems
 }
 
 template <typename Elem>
-__device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const float (&mean)[kChunkElems]) {
+__device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem (&e8)[kChunkElems], const ChannelShift& c) {
   float x[kChunkElems];
-  centered_chunk(r, e8, mean, x);
+  centered_chunk(r, e8, c, x);
   return values_max_bits(x);
 }
 
@@ -277,21 +282,23 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   }
   if constexpr (!kPacked) prefetch_block_ahead<kHeadDim, Elem>(p, aligned);
   ptx::wait_for_predecessor();  // K's centre (a no-op unless launched as its dependent)
-  float mean[kChunkElems] = {}, dot_w[kChunkElems] = {};
+  ChannelShift shift{};
+  float dot_w[kChunkElems] = {};
+#pragma unroll
+  for (int e = 0; e < kChunkElems; ++e) shift.scale[e] = 1.f;
   if (chunk < Shape::kChunks) {
-    const int b = blockIdx.z, h = blockIdx.y;
-    if (p.mean != nullptr) load_channels(p.mean + (int64_t(b) * p.heads + h) * kHeadDim + chunk * kChunkElems, mean);
-    if (kTokensPerScale == 1 && p.dot_vec != nullptr) {
-      const int64_t dot_row = int64_t(b) * (p.heads / p.dot_head_group) + h / p.dot_head_group;
-      load_channels(p.dot_vec + dot_row * kHeadDim + chunk * kChunkElems, dot_w);
-    }
+    const int b = blockIdx.z, h = blockIdx.y, first = chunk * kChunkElems;
+    const int64_t head_row = int64_t(b) * (p.heads / p.head_group) + h / p.head_group;  // of dot_vec, channel_scale
+    if (p.mean != nullptr) load_channels(p.mean + (int64_t(b) * p.heads + h) * kHeadDim + first, shift.mean);
+    if (p.channel_scale != nullptr) load_channels(p.channel_scale + head_row * kHeadDim + first, shift.scale);
+    if (kTokensPerScale == 1 && p.dot_vec != nullptr) load_channels(p.dot_vec + head_row * kHeadDim + first, dot_w);
   }
   if constexpr (kTokensPerScale == 1) {  // per token: one scale per row, over the row's lanes
     uint32_t max_bits[kRowIters];
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) {
-      if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], mean, dot_w);  // uniform
-      max_bits[it] = chunk_max_bits(rows[it], e8[it], mean);
+      if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], shift.mean, dot_w);  // uniform
+      max_bits[it] = chunk_max_bits(rows[it], e8[it], shift);
     }
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) max_bits[it] = group_reduce<Shape::kLanes>(max_bits[it], quant::UnsignedMax{});
@@ -299,7 +306,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     for (int it = 0; it < kRowIters; ++it) {
       const GroupScale g = group_scale(max_bits[it]);
       float x[1][kChunkElems];
-      centered_chunk(rows[it], e8[it], mean, x[0]);
+      centered_chunk(rows[it], e8[it], shift, x[0]);
       apply_prescale(g, x);
       store_values<kHeadDim>(p, rows[it], chunk, x[0], g);
       store_scale<kTokensPerScale>(p, rows[it], chunk, max_bits[it]);
@@ -310,7 +317,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     uint32_t max_bits[kRowIters];
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) {
-      centered_chunk(rows[it], e8[it], mean, x[it]);
+      centered_chunk(rows[it], e8[it], shift, x[it]);
       max_bits[it] = values_max_bits(x[it]);
     }
     const uint32_t bits = reduce_over_scale_block<kHeadDim>(max_bits);
@@ -376,12 +383,46 @@ __device__ __forceinline__ double channel_total(const Elem (&e8)[kRows][kChunkEl
   return total;
 }
 
+// Channel balancing's factor of one channel from Q's and K's ranges (KeyCenterParams).
+__device__ __forceinline__ float balance_factor(float q_range, float k_range) {
+  const float s = sqrtf(k_range / q_range);
+  return isfinite(s) && s > 0.f && (s >= kBalanceMinFactor || s <= 1.f / kBalanceMinFactor) ? s : 1.f;
+}
+
+// The channel ranges max |x_d - center_d| over the thread's sample rows `use`, then over the row groups through
+// shared memory (as |x| bits, whose unsigned max propagates NaN), so that thread d < kHeadDim returns channel d's.
+template <int kHeadDim, int kRowGroups, int kRows, typename Elem>
+__device__ __forceinline__ uint32_t channel_range_bits(const Elem (&e8)[kRows][kChunkElems], const bool (&use)[kRows],
+                                                       const float* center,
+                                                       uint32_t (&group_bits)[kRowGroups][kHeadDim]) {
+  using Shape = QuantRowShape<kHeadDim>;
+  const int chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
+  if (chunk < Shape::kChunks) {
+    uint32_t bits[kChunkElems] = {};
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e)
+        if (use[i]) bits[e] = max(bits[e], quant::abs_bits(to_float(e8[i][e]) - center[chunk * kChunkElems + e]));
+#pragma unroll
+    for (int e = 0; e < kChunkElems; ++e) group_bits[group][chunk * kChunkElems + e] = bits[e];
+  }
+  __syncthreads();
+  uint32_t range = 0;
+  if (threadIdx.x < kHeadDim) {
+#pragma unroll 8
+    for (int g = 0; g < kRowGroups; ++g) range = max(range, group_bits[g][threadIdx.x]);
+  }
+  return range;
+}
+
 // K's smoothing centre (KeyCenterParams), one block per head. The sample rows spread over groups of kLanes
 // lanes as in the quantizer; each thread keeps its rows' raw chunks for the passes over them: the plain
 // mean, each row's distance from it, and the sum of the rows left out, which the total less it gives the
-// kept rows' sum (a second pass over all rows only where a total is not finite).
+// kept rows' sum (a second pass over all rows only where a total is not finite); then, for channel balancing,
+// the channel ranges about the centre. Returns channel threadIdx.x's range as |x| bits (0 without balancing).
 template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void key_center_block(const KeyCenterParams& p) {
+__device__ __forceinline__ uint32_t key_center_block(const KeyCenterParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   constexpr int kRowGroups = kCenterThreads / Shape::kLanes;
   constexpr int kRows = kCenterSampleKeys / kRowGroups;  // a thread's sample rows: group + kRowGroups * i
@@ -393,11 +434,11 @@ __device__ __forceinline__ void key_center_block(const KeyCenterParams& p) {
   const int n = min(p.seqlen, kCenterSampleKeys), trim = n / kCenterTrimDivisor;
   const bool aligned = rows_aligned<Elem>(p.x, p.x_view);
   alignas(16) Elem e8[kRows][kChunkElems];
-  bool use[kRows];
+  bool use[kRows], sampled[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {  // idle lanes (D = 96) take no part
     const int row = group + kRowGroups * i;
-    use[i] = row < n && chunk < Shape::kChunks;
+    use[i] = sampled[i] = row < n && chunk < Shape::kChunks;
     if (use[i]) {
       const Elem* x = chunk_ptr<Elem>(p.x, p.x_view, b, h, int(center_sample_key(row, p.seqlen)), chunk);
       if (aligned) {
@@ -460,24 +501,52 @@ __device__ __forceinline__ void key_center_block(const KeyCenterParams& p) {
     for (int i = 0; i < kRows; ++i) use[i] = use[i] && !left_out[i];
     kept_sum = channel_total(e8, use, group_sums);
   }
-  if (threadIdx.x < kHeadDim)  // 0 / 0 = NaN when no row is kept
-    p.center[(int64_t(b) * p.heads + h) * kHeadDim + threadIdx.x] = __double2float_rn(kept_sum / kept_rows);
+  const int64_t out = (int64_t(b) * p.heads + h) * kHeadDim + threadIdx.x;
+  const float center = threadIdx.x < kHeadDim ? __double2float_rn(kept_sum / kept_rows) : 0.f;  // 0 / 0 = NaN: none kept
+  if (threadIdx.x < kHeadDim) p.center[out] = center;
+  if (p.channel_range == nullptr) return 0;
+  if (threadIdx.x < kHeadDim) plain_mean[threadIdx.x] = center;  // read last before the distances' barrier
+  __syncthreads();
+  uint32_t range = channel_range_bits(e8, sampled, plain_mean,
+                                      *reinterpret_cast<uint32_t(*)[kRowGroups][kHeadDim]>(&group_sums));
+  if (p.seqlen < kCenterSampleKeys) range = 0;  // too few rows to tell an outlier channel from noise: no factors
+  if (threadIdx.x < kHeadDim) p.channel_range[out] = __uint_as_float(range);
+  return range;
+}
+
+// K's launch with Q's ranges: thread d < kHeadDim writes channel d's balancing factors, from its K range (|x| bits).
+template <int kHeadDim>
+__device__ __forceinline__ void store_balance(const KeyCenterParams& p, uint32_t k_range_bits) {
+  if (p.query_range == nullptr) return;
+  ptx::wait_for_predecessor();  // Q's ranges (a no-op unless launched as the dependent of Q's launch)
+  if (threadIdx.x >= kHeadDim) return;
+  const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+  uint32_t q_range_bits = 0;
+  for (int g = 0; g < p.query_group; ++g)
+    q_range_bits = max(q_range_bits, __float_as_uint(p.query_range[(head * p.query_group + g) * kHeadDim + threadIdx.x]));
+  const float s = balance_factor(__uint_as_float(q_range_bits), __uint_as_float(k_range_bits));
+  p.balance[head * kHeadDim + threadIdx.x] = s;
+  p.balance_inverse[head * kHeadDim + threadIdx.x] = 1.f / s;
 }
 
 template <int kHeadDim, typename Elem, bool kPacked>
 __global__ void __launch_bounds__(kCenterThreads, 1)
     key_center_kernel(const KeyCenterParams p, const PackedSequences packed) {
-  ptx::allow_dependents();  // the K quantizer launches now and loads its rows while this runs
+  ptx::allow_dependents();  // K's launch after Q's, or the K quantizer, launches now and loads its rows while this runs
+  uint32_t range_bits = 0;
   if constexpr (kPacked) {
     const KeyCenterParams sequence = narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z);
     if (sequence.seqlen > 0) {
-      key_center_block<kHeadDim, Elem>(sequence);
-    } else if (threadIdx.x < kHeadDim) {  // no key: nothing to centre, and nothing the centre could move
-      p.center[(int64_t(blockIdx.z) * p.heads + blockIdx.y) * kHeadDim + threadIdx.x] = 0.f;
+      range_bits = key_center_block<kHeadDim, Elem>(sequence);
+    } else if (threadIdx.x < kHeadDim) {  // no row: nothing to centre, nothing the centre could move, no range
+      const int64_t out = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * kHeadDim + threadIdx.x;
+      p.center[out] = 0.f;
+      if (p.channel_range != nullptr) p.channel_range[out] = 0.f;
     }
   } else {
-    key_center_block<kHeadDim, Elem>(p);
+    range_bits = key_center_block<kHeadDim, Elem>(p);
   }
+  store_balance<kHeadDim>(p, range_bits);
 }
 
 }  // namespace
@@ -488,9 +557,8 @@ cudaError_t launch_key_center(const KeyCenterParams& p, const PackedSequences& p
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       return dispatch_packed(packed, [&](auto is_packed) {
-        key_center_kernel<decltype(head_dim)::value, decltype(elem), decltype(is_packed)::value>
-            <<<dim3(1, p.heads, p.batch), kCenterThreads, 0, stream>>>(p, packed);
-        return cudaGetLastError();
+        return launch(key_center_kernel<decltype(head_dim)::value, decltype(elem), decltype(is_packed)::value>,
+                      dim3(1, p.heads, p.batch), kCenterThreads, 0, stream, p.programmatic_launch, p, packed);
       });
     });
   });

@@ -85,6 +85,26 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     }
   }
   QRowScales q;
+  const int64_t head_kv_row = (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 8 * tig;
+  q.center_dot[0] = q.center_dot[1] = 0.f;
+  if (p.lse != nullptr && p.k_center != nullptr) {  // of the raw rows: balancing keeps q . k
+    const float* center = p.k_center + head_kv_row;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < kPerRow; ++i)
+        if (holds_channels<Traits>(i / 8, tig)) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
+    ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
+  }
+  if (p.q_balance != nullptr) {  // channel balancing's factors, before the amax (KeyCenterParams)
+    const float* balance = p.q_balance + head_kv_row;
+#pragma unroll
+    for (int i = 0; i < kPerRow; ++i) {
+      const float s = holds_channels<Traits>(i / 8, tig) ? balance[32 * (i / 8) + i % 8] : 1.f;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) x[r][i] *= s;
+    }
+  }
   uint32_t amax_bits[2] = {0, 0};  // each row's amax and finiteness at once (quant::abs_bits)
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -99,16 +119,6 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
     inv_scale[r] = quant::inv_scale_of(amax);
     prescale[r] = quant::prescale_of(amax);
     q.scale[r] = quant::scale_of(amax, p.q_out_scale, finite);
-    q.center_dot[r] = 0.f;
-  }
-  if (p.lse != nullptr && p.k_center != nullptr) {
-    const float* center = p.k_center + (int64_t(batch) * p.heads_kv + head_kv) * Traits::kHeadDim + 8 * tig;
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int i = 0; i < kPerRow; ++i)
-        if (holds_channels<Traits>(i / 8, tig)) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
-    ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r)

@@ -52,6 +52,8 @@ ARGUMENT_CASES = {
 PYTHON_ONLY_CASES = {
     "q_not_tensor": (lambda q, k, v: ((q.tolist(), k, v), {}), TypeError, [r"\bq\b", r"Tensor"]),
     "is_causal_not_bool": (lambda q, k, v: ((q, k, v), {"is_causal": 1}), TypeError, [r"is_causal", r"bool"]),
+    "balance_not_bool": (lambda q, k, v: ((q, k, v), {"balance_channels": "yes"}), TypeError,
+                         [r"balance_channels", r"bool"]),
     "sm_scale_tensor": (lambda q, k, v: ((q, k, v), {"sm_scale": torch.tensor(0.1)}), TypeError, [r"sm_scale"]),
 }
 

@@ -11,7 +11,8 @@ import torch
 
 from _helpers import (CENTER_KINDS, COS_MIN, HEAD_DIMS, KERNELS, KINDS, KV_SPLIT_CASES, LSE_ATOL, REL_L1_MAX, Case,
                       accuracy_failures, activation_inputs, center_inputs, check_case, check_quantize, kernel_params,
-                      make_qkv, metrics, poison_like, reference_failures, lse_ref_atol, select_kernel, to_layout)
+                      lse_failures, make_qkv, metrics, poison_like, reference_failures, lse_ref_atol, select_kernel,
+                      to_layout)
 from conftest import requires_cuda, requires_sm90
 
 pytestmark = requires_cuda
@@ -281,7 +282,7 @@ def test_smoothing_matters(ai8, monkeypatch, kernel, dtype):
 
 
 # Real activations' hard classes at several magnitudes (K outlier channels x, Q offset x randn(D)), fresh draws.
-# The kernels do not smooth Q or balance channels yet (issue 46), so they are held to the reference of their own
+# The kernels balance channels but do not smooth Q yet (issue 46), so they are held to the reference of their own
 # scheme, whose error against float64 is the residual these inputs cost today (RESULTS.md, "Accuracy on
 # structured inputs"): the bars hold only where that reference meets them.
 ACTIVATION_CLASSES = [(10, 0), (30, 0), (0, 3), (0, 5), (30, 5)]
@@ -302,6 +303,63 @@ def test_real_activation_classes(ai8, monkeypatch, kernel, k_outliers, q_offset)
         failures.append(f"{what}: {got} against the scheme's {scheme}")
     if scheme["rel_l1"] <= 0.9 * REL_L1_MAX and scheme["cos"] >= COS_MIN:  # a margin: the kernel may be 5% off
         failures += accuracy_failures(out, exact, what)
+    assert not failures, failures
+
+
+# Channel balancing at every head dim (D = 80 and 96 with their padding lanes), with GQA (Q's ranges taken over the
+# query heads of a K/V head) and the causal mask.
+BALANCE_CASES = [(64, 4, 2, False), (80, 2, 2, True), (96, 3, 1, False), (128, 6, 2, True), (256, 2, 2, False)]
+
+
+def _outlier_keys(k, magnitude=30.0, channels=4):
+    """k with `channels` random channels scaled by `magnitude` (issue 46's K outlier channels)."""
+    k = k.clone()
+    k[..., torch.randperm(k.shape[-1], device=k.device)[:channels]] *= magnitude
+    return k
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("head_dim, heads_q, heads_kv, causal", BALANCE_CASES)
+def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, causal):
+    """On K outlier channels the kernel matches the reference of its scheme, LSE included, with balancing on and
+    with it off, and balancing cuts the error against float64 2.5x or more."""
+    select_kernel(monkeypatch, kernel)
+    q = torch.randn(2, heads_q, 300, head_dim, device="cuda").half()
+    k = _outlier_keys(torch.randn(2, heads_kv, 700, head_dim, device="cuda")).half()
+    v = torch.randn(2, heads_kv, 700, head_dim, device="cuda").half()
+    exact = ai8.reference.attention_float64(q, k, v, is_causal=causal)
+    failures, errors = [], {}
+    for balance in (True, False):
+        kwargs = dict(is_causal=causal, return_lse=True, balance_channels=balance)
+        out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
+        ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
+        what = f"D{head_dim} H{heads_q}/{heads_kv} balance={balance}"
+        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_ref_atol(q.dtype), what)
+        errors[balance] = metrics(out, exact)["rel_l1"]
+    assert not failures, failures
+    assert errors[True] < errors[False] / 2.5, errors
+
+
+def test_channel_balancing_packed(ai8, monkeypatch):
+    """Packed sequences balance each sequence's channels by its own ranges (one without keys, one without
+    queries among them): the varlen op equals the dense op run on each sequence alone."""
+    select_kernel(monkeypatch, "auto")
+    lengths_q, lengths_k = [300, 0, 129, 64], [500, 70, 0, 64]
+    q = torch.randn(sum(lengths_q), 4, 128, device="cuda").half()
+    k = torch.cat([_outlier_keys(torch.randn(n, 2, 128, device="cuda"), magnitude=m)
+                   for n, m in zip(lengths_k, (30, 10, 1, 20))]).half()
+    v = torch.randn(sum(lengths_k), 2, 128, device="cuda").half()
+    offsets_q, offsets_k = ([0] + list(itertools.accumulate(n)) for n in (lengths_q, lengths_k))
+    cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device="cuda") for o in (offsets_q, offsets_k))
+    out = ai8.int8_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    failures = []
+    for b in range(len(lengths_q)):
+        rows_q, rows_k = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
+        if lengths_q[b] == 0 or lengths_k[b] == 0:  # nothing to balance; rows without keys are zeros
+            assert (out[rows_q] == 0).all()
+            continue
+        alone = ai8.int8_attention_forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], tensor_layout="NHD")[0]
+        failures += reference_failures(out[rows_q], alone, v[rows_k], f"sequence {b}")
     assert not failures, failures
 
 

@@ -184,7 +184,7 @@ struct QuantizedRows {
 QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, double out_scale,
                        int64_t tokens_per_scale, int64_t row_multiple, cudaStream_t stream,
                        const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false,
-                       bool programmatic_launch = false) {
+                       bool programmatic_launch = false, const std::optional<at::Tensor>& channel_scale = {}) {
   const Shape& s = x.shape;
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.tensor.options().dtype(at::kFloat);
@@ -193,11 +193,14 @@ QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, 
                     at::empty({s.batch, s.heads, ai8::ceil_div(seqlen_pad, tokens_per_scale)}, f32),
                     dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
   ai8::QuantizeParams params{};
+  params.head_group = 1;
+  for (const auto& vec : {dot_vec, channel_scale})  // both [B, Hkv, D]: heads per row of them
+    if (vec.has_value()) params.head_group = static_cast<int>(s.heads / vec->size(1));
   if (dot_vec.has_value()) {
     params.dot_vec = dot_vec->data_ptr<float>();
-    params.dot_head_group = static_cast<int>(s.heads / dot_vec->size(1));
     params.row_dot = out.row_dot.data_ptr<float>();
   }
+  params.channel_scale = channel_scale.has_value() ? channel_scale->data_ptr<float>() : nullptr;
   params.x = x.tensor.data_ptr();
   params.x_view = x.view;
   params.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
@@ -218,21 +221,58 @@ QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, 
   return out;
 }
 
-// K's smoothing centre [B, H, D] fp32 (launch_key_center): the mean of a sample of its keys, outliers left out.
-at::Tensor compute_key_center(const Operand& x, cudaStream_t stream) {
+// The centre pass over x (launch_key_center): the mean of a sample of its rows, outliers left out, [B, H, D] fp32;
+// and for channel balancing, x's channel ranges about it (channel_range).
+struct CenterPass {
+  at::Tensor center, channel_range;
+};
+
+ai8::KeyCenterParams center_params(const Operand& x, const CenterPass& out) {
   const Shape& s = x.shape;
-  at::Tensor center = at::empty({s.batch, s.heads, s.head_dim}, x.tensor.options().dtype(at::kFloat));
   ai8::KeyCenterParams params{};
   params.x = x.tensor.data_ptr();
   params.x_view = x.view;
-  params.center = center.data_ptr<float>();
+  params.center = out.center.data_ptr<float>();
+  params.channel_range = out.channel_range.defined() ? out.channel_range.data_ptr<float>() : nullptr;
   params.batch = static_cast<int>(s.batch);
   params.heads = static_cast<int>(s.heads);
   params.seqlen = static_cast<int>(s.seqlen);
   params.head_dim = static_cast<int>(s.head_dim);
   params.dtype = elem_type_of(x.tensor);
-  check_cuda(ai8::launch_key_center(params, x.packed, stream), "launching key_center");
-  return center;
+  return params;
+}
+
+CenterPass empty_center_pass(const Operand& x, bool with_range) {
+  const Shape& s = x.shape;
+  const auto f32 = x.tensor.options().dtype(at::kFloat);
+  return {at::empty({s.batch, s.heads, s.head_dim}, f32),
+          with_range ? at::empty({s.batch, s.heads, s.head_dim}, f32) : at::Tensor()};
+}
+
+at::Tensor compute_key_center(const Operand& x, cudaStream_t stream) {
+  const CenterPass out = empty_center_pass(x, /*with_range=*/false);
+  check_cuda(ai8::launch_key_center(center_params(x, out), x.packed, stream), "launching key_center");
+  return out.center;
+}
+
+// Channel balancing (KeyCenterParams): K's centre and the factors s and 1 / s, [B, Hkv, D] fp32, from one centre pass
+// over Q and one over K, K's launched as the dependent of Q's on sm_90.
+struct ChannelBalance {
+  at::Tensor k_center, factors, inverse;
+};
+
+ChannelBalance balance_channels_of(const Operand& q, const Operand& k, bool programmatic_launch, cudaStream_t stream) {
+  const CenterPass q_pass = empty_center_pass(q, /*with_range=*/true), k_pass = empty_center_pass(k, true);
+  check_cuda(ai8::launch_key_center(center_params(q, q_pass), q.packed, stream), "launching key_center on q");
+  ChannelBalance out{k_pass.center, at::empty_like(k_pass.center), at::empty_like(k_pass.center)};
+  ai8::KeyCenterParams params = center_params(k, k_pass);
+  params.query_range = q_pass.channel_range.data_ptr<float>();
+  params.query_group = static_cast<int>(q.shape.heads / k.shape.heads);
+  params.balance = out.factors.data_ptr<float>();
+  params.balance_inverse = out.inverse.data_ptr<float>();
+  params.programmatic_launch = programmatic_launch;
+  check_cuda(ai8::launch_key_center(params, k.packed, stream), "launching key_center on k");
+  return out;
 }
 
 // The checks shared by the dense and the packed op: dtypes, devices, head counts and dims, the scale. Returns the
@@ -260,7 +300,7 @@ double check_attention_operands(const at::Tensor& q, const at::Tensor& k, const 
 // operands are checked, and out holds at least one element.
 void run_attention(const Operand& q, const Operand& k, const Operand& v, const at::Tensor& out,
                    const ai8::RowMajorView& out_view, const at::Tensor& lse, bool is_causal, double scale,
-                   bool smooth_k, Capability cc) {
+                   bool smooth_k, bool balance_channels, Capability cc) {
   const bool with_lse = lse.defined();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ai8::AttentionKernel kernel = attention_kernel_for(cc);
@@ -271,16 +311,25 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
   const Operand v_rows = readable_in_place(v, sm90);
   const Operand q_rows = sm90 ? readable_in_place(q, sm90) : q;
   // K smoothing: one centre is shared by every key, so subtracting it shifts each logit row by a
-  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range.
-  std::optional<at::Tensor> k_center;
-  if (smooth_k && k.shape.seqlen > 0) k_center = compute_key_center(k, stream);
+  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range. Channel balancing's
+  // pre-pass computes that centre too.
+  std::optional<at::Tensor> k_center, q_balance, k_balance;
+  if (balance_channels && q.shape.seqlen > 0 && k.shape.seqlen > 0) {
+    ChannelBalance balance = balance_channels_of(q, k, /*programmatic_launch=*/sm90, stream);
+    if (smooth_k) k_center = balance.k_center;
+    q_balance = balance.factors;
+    k_balance = balance.inverse;
+  } else if (smooth_k && k.shape.seqlen > 0) {
+    k_center = compute_key_center(k, stream);
+  }
   // sm_scale and log2(e) ride on the Q scales: the kernel's dequantized S is the base-2 logit.
   // K smoothing moves logit row i by q_i . k_center: softmax ignores that, the LSE must add it back (each
   // kernel's epilogue does, from the inputs AttentionParams names).
   const bool lse_shift = with_lse && k_center.has_value();
   const double q_out_scale = scale * kLog2e;
   const QuantizedRows k_q = quantize(k, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
-                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && k_center.has_value());
+                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && (k_center || k_balance),
+                                     k_balance);
 
   ai8::AttentionParams params{};
   QuantizedRows q_q;
@@ -289,8 +338,10 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
     params.q_view = q_rows.view;
     params.q_out_scale = static_cast<float>(q_out_scale);
     params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
+    params.q_balance = q_balance.has_value() ? q_balance->data_ptr<float>() : nullptr;
   } else {
-    q_q = quantize(q, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt);
+    q_q = quantize(q, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt,
+                   /*sm90_layout=*/false, /*programmatic_launch=*/false, q_balance);
     params.q = q_q.values.data_ptr<int8_t>();
     params.q_scale = q_q.scales.data_ptr<float>();
     params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
@@ -336,7 +387,8 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      bool is_causal, std::optional<double> sm_scale,
-                                                     c10::string_view tensor_layout, bool smooth_k, bool with_lse) {
+                                                     c10::string_view tensor_layout, bool smooth_k,
+                                                     bool balance_channels, bool with_lse) {
   check_input(q, "q");
   check_input(k, "k");
   check_input(v, "v");
@@ -351,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   at::Tensor lse = with_lse ? at::empty({sq.batch, sq.heads, sq.seqlen}, q.options().dtype(at::kFloat)) : at::Tensor();
   if (out.numel() == 0) return {out, lse};
   run_attention(dense_operand(q, layout), dense_operand(k, layout), dense_operand(v, layout), out,
-                view_of(out, layout), lse, is_causal, scale, smooth_k, cc);
+                view_of(out, layout), lse, is_causal, scale, smooth_k, balance_channels, cc);
   return {out, lse};
 }
 
@@ -378,7 +430,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q,
                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                             int64_t max_seqlen_k, bool is_causal,
                                                             std::optional<double> sm_scale, bool smooth_k,
-                                                            bool with_lse) {
+                                                            bool balance_channels, bool with_lse) {
   check_packed_input(q, "q");
   check_packed_input(k, "k");
   check_packed_input(v, "v");
@@ -406,7 +458,8 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q,
     if (with_lse) lse.fill_(-INFINITY);
     return {out, lse};
   }
-  run_attention(q_op, k_op, v_op, out, {0, out.stride(1), out.stride(0)}, lse, is_causal, scale, smooth_k, cc);
+  run_attention(q_op, k_op, v_op, out, {0, out.stride(1), out.stride(0)}, lse, is_causal, scale, smooth_k,
+                balance_channels, cc);
   return {out, lse};
 }
 
@@ -418,31 +471,34 @@ at::Tensor lse_like(const at::Tensor& q, Layout layout) {
 }  // namespace
 
 at::Tensor int8_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
-                                  std::optional<double> sm_scale, c10::string_view tensor_layout, bool smooth_k) {
-  return std::get<0>(attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/false));
+                                  std::optional<double> sm_scale, c10::string_view tensor_layout, bool smooth_k,
+                                  bool balance_channels) {
+  return std::get<0>(
+      attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, /*with_lse=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                                    const at::Tensor& v, bool is_causal,
                                                                    std::optional<double> sm_scale,
-                                                                   c10::string_view tensor_layout, bool smooth_k) {
-  return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, /*with_lse=*/true);
+                                                                   c10::string_view tensor_layout, bool smooth_k,
+                                                                   bool balance_channels) {
+  return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, /*with_lse=*/true);
 }
 
 at::Tensor int8_attention_varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                          int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-                                         std::optional<double> sm_scale, bool smooth_k) {
+                                         std::optional<double> sm_scale, bool smooth_k, bool balance_channels) {
   return std::get<0>(attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              is_causal, sm_scale, smooth_k, /*with_lse=*/false));
+                                              is_causal, sm_scale, smooth_k, balance_channels, /*with_lse=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    std::optional<double> sm_scale, bool smooth_k) {
+    std::optional<double> sm_scale, bool smooth_k, bool balance_channels) {
   return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale,
-                                  smooth_k, /*with_lse=*/true);
+                                  smooth_k, balance_channels, /*with_lse=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
@@ -480,26 +536,27 @@ at::Tensor key_center(const at::Tensor& k, c10::string_view tensor_layout) {
 }
 
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, bool,
-                                       std::optional<double>, c10::string_view, bool) {
+                                       std::optional<double>, c10::string_view, bool, bool) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at::Tensor& q, const at::Tensor&,
                                                                         const at::Tensor&, bool, std::optional<double>,
-                                                                        c10::string_view tensor_layout, bool) {
+                                                                        c10::string_view tensor_layout, bool, bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous), lse_like(q, parse_layout(tensor_layout))};
 }
 
 at::Tensor int8_attention_varlen_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                                              std::optional<double>, bool) {
+                                              std::optional<double>, bool, bool) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse_meta(const at::Tensor& q, const at::Tensor&,
                                                                                const at::Tensor&, const at::Tensor&,
                                                                                const at::Tensor&, int64_t, int64_t,
-                                                                               bool, std::optional<double>, bool) {
+                                                                               bool, std::optional<double>, bool,
+                                                                               bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(at::kFloat))};
 }
@@ -522,16 +579,18 @@ at::Tensor key_center_meta(const at::Tensor& k, c10::string_view tensor_layout) 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "int8_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
-      "str tensor_layout=\"HND\", bool smooth_k=True) -> Tensor");
+      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True) -> Tensor");
   ops.def(
       "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
-      "str tensor_layout=\"HND\", bool smooth_k=True) -> (Tensor, Tensor)");
+      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True) -> (Tensor, Tensor)");
   ops.def(
       "int8_attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True) -> Tensor");
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True, "
+      "bool balance_channels=True) -> Tensor");
   ops.def(
       "int8_attention_varlen_forward_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True) "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True, "
+      "bool balance_channels=True) "
       "-> (Tensor, Tensor)");
   ops.def(
       "quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\", int tokens_per_scale=1) "

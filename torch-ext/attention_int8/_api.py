@@ -17,7 +17,7 @@ def _last_dim_contiguous(t):
 
 
 def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
-                           return_lse=False):
+                           return_lse=False, balance_channels=True):
     """Scaled-dot-product attention with INT8 Q.K^T, ``softmax(q k^T * sm_scale) v``.
 
     Args:
@@ -34,6 +34,10 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
             before quantizing (softmax-invariant; keeps channel offsets shared by all keys from wasting the
             INT8 range). Leave it on unless measuring its effect.
         return_lse: also return the natural-log log-sum-exp of the scaled logits, fp32 ``[B, Hq, Nq]``.
+        balance_channels: channel balancing (``reference.balance_factors``): where a channel's range in K and in
+            Q (each about its sampled centre) differ 4x or more, scale it by ``s`` in Q and ``1 / s`` in K, so that
+            an outlier channel of K no longer owns K's INT8 range; ``q . k`` is unchanged. Channels within that
+            factor are left alone, so ordinary inputs quantize as without it.
 
     Returns:
         ``out`` (dtype of q, dense in q's layout), or ``(out, lse)`` if ``return_lse``.
@@ -42,10 +46,10 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
     tensor whose last dimension is strided is first copied to a contiguous tensor (one extra read
     and write of it), as is a V whose rows are not 16-byte aligned. No autograd support.
     """
-    check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k)
+    check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     op = ops.int8_attention_forward_with_lse if return_lse else ops.int8_attention_forward
-    return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k)
+    return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels)
 
 
 def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,

@@ -7,7 +7,13 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    Every logit of a query row moves by the same constant ``q . c``, so the softmax is unchanged, but channel
    offsets shared by all keys no longer eat the INT8 range. Any ``c`` would keep the softmax; the sample
    spares the kernels a pass over all of K (``KeyCenterParams`` in attention_int8.h).
-2. Symmetric INT8 in fp32 with one scale per group of tokens: Q per token, K per block of
+2. Channel balancing (``balance_channels``, issue 46): channel c of Q is multiplied by ``s_c`` and of K' by
+   ``1 / s_c`` (fp32), with ``s_c = balance_factors(Q - mu, K - c)`` from the channels' ranges about Q's and K's
+   centres (``mu = key_center(Q)``, per query head) over sampled rows: ``sqrt(max|k_c| / max|q_c|)``, or 1 unless
+   that is >= 2 or <= 1/2. ``q . k`` is unchanged up to fp32 rounding, and no outlier channel of K owns its INT8
+   range; the ranges are about the centres because a Q offset shared by all rows (which smoothing would remove)
+   says nothing about how finely a channel must be resolved.
+3. Symmetric INT8 in fp32 with one scale per group of tokens: Q per token, K per block of
    ``KEY_TOKENS_PER_SCALE`` = 64 keys (keys ``64 b .. 64 b + 63``; the last block may be shorter).
    ``amax = max |x|`` over the group, ``x_q = round_half_even(x * (127 / amax))`` (the fp32 quotient
    first, then the product), clamped to [-127, 127]; ``scale = amax / 127 * out_scale``. A group with
@@ -16,39 +22,36 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    gives ``x_q = 0, scale = 0``; a group holding a non-finite value gets a NaN scale (its ``x_q`` is
    unspecified; here 0), so NaN reaches the output.
    Q uses ``out_scale = sm_scale * log2(e)``, K ``out_scale = 1``.
-3. ``S2[i, j] = (q_q[i] . k_q[j]) * c[i, j // 64]`` with the logit scale ``c = q_scale[i] * k_scale[b]``
+4. ``S2[i, j] = (q_q[i] . k_q[j]) * c[i, j // 64]`` with the logit scale ``c = q_scale[i] * k_scale[b]``
    truncated to 22 significant bits: exact integer dot products dequantized by one fp32
    multiply. S2 is the logit in base 2. (One scale per row and key block is what lets the kernels take
    a tile's max on the integers and exponentiate with one FMA; 22 bits make that FMA exact.)
-4. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
+5. Softmax in base 2: ``m = max_j S2``, ``P = 2^(S2 - m)``, ``l = sum_j P`` (fp32), then P rounded to the
    input dtype (fp16/bf16), ``O = (P V) / l`` accumulated in fp32 and cast to the input dtype.
-5. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . c)`` (fp32): the log-sum-exp of the true scaled
+6. ``LSE = (m + log2 l) * ln 2 + sm_scale * (q . c)`` (fp32): the log-sum-exp of the true scaled
    logits. Smoothing leaves the softmax unchanged but shifts its normalizer, so the shift is added back
    (only with ``smooth_k``).
 
-Options (all off by default, so the kernels' scheme above is the default):
+Options (off by default; ``smooth_k`` and ``balance_channels`` above are on, as in the kernels):
 
 - ``smooth_q`` (issue 46): Q smoothing with an exact bias. ``Q' = Q - mu`` with Q's centre ``mu = key_center(Q)``
   (the same sampled, trimmed mean as K's, per query head) is what gets quantized, and every logit of key j gains
   ``b_j = mu . k'_j * sm_scale * log2(e)`` (``key_bias``), computed in fp32 from the smoothed, unquantized K' the
   K quantizer reads (before balancing). ``q . k' = (q - mu) . k' + mu . k'``, so the logits stay exact up to the
-  quantization of ``Q - mu`` and of K'; a shared Q offset no longer eats Q's INT8 range. The bias enters step 3 as
+  quantization of ``Q - mu`` and of K'; a shared Q offset no longer eats Q's INT8 range. The bias enters step 4 as
   the addend of the dequantizing FMA, ``S2 = fma(S, c, b_j)``, and tile maxima are taken on these fp32 logits.
-- ``balance_channels`` (issue 46): channel c of Q' is multiplied by ``s_c`` and of K' by ``1 / s_c`` (fp32), with
-  ``s_c = balance_factors(Q', K') = sqrt(max|k'_c| / max|q'_c|)`` over sampled rows (1 unless s_c >= 2 or <= 1/2),
-  so no K channel owns the INT8 range; ``q . k`` is unchanged up to fp32 rounding.
-- ``pv_precision="int8"`` (issue 43), replacing step 4's fp16 P.V: V is quantized to INT8 with one scale per
+- ``pv_precision="int8"`` (issue 43), replacing step 5's fp16 P.V: V is quantized to INT8 with one scale per
   (64-key block, channel) (``quantize_v``; no centre is subtracted: it changed no measured class's error). Per
   query row and 64-key tile t, ``m_t = max`` of the tile's logits, ``P_u8 = round(255 * 2^(S2 - m_t))`` (u8, the
   tile's max maps to 255), and the tile contributes ``w_t * (P_u8 @ V_q) * v_scale[t]`` to O and
   ``w_t * rowsum(P_u8)`` to l, with ``w_t = 2^(m_t - m) / 255`` and ``m`` the row max; O = O / l, and
-  ``LSE = (m + log2 l) * ln 2`` (+ step 5's shift). ``int8_pv_online`` is the same computation as the kernels
+  ``LSE = (m + log2 l) * ln 2`` (+ step 6's shift). ``int8_pv_online`` is the same computation as the kernels
   run it.
 
 Masking is bottom-right aligned: query i sees key j iff ``j <= i + Nkv - Nq``; a row that sees no key
 outputs 0 with LSE -inf. GQA/MQA: query head h reads K/V head ``h // (Hq // Hkv)``.
 
-The CUDA kernel runs step 4 as an online softmax over key tiles, so it rounds P at a running max and
+The CUDA kernel runs step 5 as an online softmax over key tiles, so it rounds P at a running max and
 rescales; this reference rounds P at the final row max. Everything else is the same arithmetic, so the
 two agree to within the rounding of P and of the output (see tests/test_kernel_gpu.py).
 """
@@ -67,7 +70,7 @@ CENTER_SAMPLE_KEYS = 128  # kCenterSampleKeys
 CENTER_TRIM_DIVISOR = 32  # kCenterTrimDivisor
 PV_PRECISIONS = ("fp16", "int8")
 P_U8_MAX = 255  # the INT8 P.V stores P in (0, 1] as round(255 P): unsigned, the tile's max at 255
-BALANCE_MIN_FACTOR = 2.0  # channel balancing leaves a channel alone unless its Q and K ranges differ 4x or more
+BALANCE_MIN_FACTOR = 2.0  # kBalanceMinFactor in attention_int8.h: a channel is left alone unless its ranges differ 4x
 
 # Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
 _MAX_SCORE_ELEMENTS = 1 << 25
@@ -185,13 +188,16 @@ def _prepare(q, k, v, sm_scale, tensor_layout):
 
 
 def balance_factors(q, k):
-    """Channel balancing factors ``s``, fp32 [B, Hkv, D], for q [B, Hq, Nq, D] and k [B, Hkv, Nkv, D] (fp32, after
-    any smoothing; Nq, Nkv > 0): per K/V head and channel, ``sqrt(max|k_c| / max|q_c|)`` with the maxima over the
+    """Channel balancing factors ``s``, fp32 [B, Hkv, D], for q [B, Hq, Nq, D] and k [B, Hkv, Nkv, D] (fp32, each less
+    its centre; Nq, Nkv > 0): per K/V head and channel, ``sqrt(max|k_c| / max|q_c|)`` with the maxima over the
     rows center_sample picks (of every query head the K/V head serves). Q's channel times s and K's times 1 / s
     keep q . k (up to fp32 rounding) and give both quantizers the channel range ``sqrt(max|q_c| max|k_c|)``.
     s is 1 where either maximum is 0 or not finite, and where it would lie within BALANCE_MIN_FACTOR of 1:
     reweighting channels that are already balanced, by sampling noise alone, costs accuracy (docs/DESIGN.md,
-    rationale)."""
+    rationale). For the same reason s is all 1 when Q or K has fewer rows than a full sample (CENTER_SAMPLE_KEYS):
+    the max of a few rows is far below that of 128."""
+    if min(q.shape[-2], k.shape[-2]) < CENTER_SAMPLE_KEYS:  # too few rows to tell an outlier channel from noise
+        return torch.ones(k.shape[:2] + k.shape[-1:], dtype=torch.float32, device=k.device)
     q_max = q[..., center_sample(q.shape[-2], q.device), :].abs().amax(dim=-2)
     q_max = q_max.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1])).amax(dim=2)
     k_max = k[..., center_sample(k.shape[-2], k.device), :].abs().amax(dim=-2)
@@ -211,17 +217,19 @@ def _centered(x, center):
     return x.float() if center is None else x.float() - center.float().unsqueeze(-2)
 
 
-def _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q=False, balance_channels=False):
-    """Steps 1 and 2, with the options of issue 46, on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_center, bias)``
-    with K's values (as fp32) and scales (one per key) repeated to the query heads, and Q smoothing's key bias
-    (None without smooth_q)."""
+def _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q, balance_channels):
+    """Steps 1 to 3, with Q smoothing, on HND q, k: ``(q_q, q_scale, k_q, k_scale, k_center, bias)`` with K's values
+    (as fp32) and scales (one per key) repeated to the query heads, and Q smoothing's key bias (None without
+    smooth_q)."""
     seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
-    k_center = key_center(k) if smooth_k and seqlen_kv > 0 else None
-    q_center = key_center(q) if smooth_q and seqlen_q > 0 else None
-    q, k = _centered(q, q_center), _centered(k, k_center)
-    bias = None if q_center is None else key_bias(q_center, _repeat_heads(k, group), sm_scale)
-    if balance_channels and seqlen_q > 0 and seqlen_kv > 0:
-        s = balance_factors(q, k)
+    balance = balance_channels and seqlen_q > 0 and seqlen_kv > 0
+    k_center = key_center(k) if (smooth_k or balance) and seqlen_kv > 0 else None
+    q_center = key_center(q) if (smooth_q or balance) and seqlen_q > 0 else None
+    s = balance_factors(_centered(q, q_center), _centered(k, k_center)) if balance else None
+    q, k = _centered(q, q_center if smooth_q else None), _centered(k, k_center if smooth_k else None)
+    bias = None if not smooth_q or q_center is None else key_bias(q_center, _repeat_heads(k, group), sm_scale)
+    k_center = k_center if smooth_k else None
+    if s is not None:
         q, k = q * _repeat_heads(s, group).unsqueeze(-2), k * s.reciprocal().unsqueeze(-2)
     q_q, q_scale = quantize_int8(q, out_scale=sm_scale * LOG2E)
     k_q, k_scale = quantize_int8(k, tokens_per_scale=KEY_TOKENS_PER_SCALE)
@@ -230,7 +238,7 @@ def _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q=False, balance
 
 
 def _logits(q_q, q_scale, k_q, k_scale, bias=None):
-    """Step 3: the base-2 logits of the rows of q_q against every key, and their scales c.
+    """Step 4: the base-2 logits of the rows of q_q against every key, and their scales c.
 
     |q_q . k_q| <= 128 * 127^2 < 2^24 and all operands are small integers, so an fp32 matmul of them is
     exact in any summation order (TF32 too: 8-bit integers fit its mantissa). With a key bias [..., Nkv] the
@@ -243,7 +251,7 @@ def _logits(q_q, q_scale, k_q, k_scale, bias=None):
     return torch.addcmul(bias.double().unsqueeze(-2), dots.double(), c.double()).float(), c
 
 
-def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True, smooth_q=False, balance_channels=False):
+def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True, smooth_q=False, balance_channels=True):
     """Steps 1 to 3 of the scheme (for tests and inspection): ``(logits, c)``, both fp32 [B, Hq, Nq, Nkv] (HND):
     the base-2 logits before any mask, and the scale ``c = logit_scale(q_scale[i], k_scale[j // 64])`` each
     was dequantized with, one integer step of its INT8 dot product."""
@@ -316,7 +324,7 @@ def int8_pv_online(s2, v_q, v_scale):
 
 
 def _pv_fp16(s2, v, dtype):
-    """Step 4's fp16/bf16 P.V at the final row max: ``(o, m, l)`` as int8_pv returns them (but m = 0, not -inf, in
+    """Step 5's fp16/bf16 P.V at the final row max: ``(o, m, l)`` as int8_pv returns them (but m = 0, not -inf, in
     rows without a key)."""
     m = s2.amax(dim=-1, keepdim=True) if s2.shape[-1] > 0 else s2.new_full(s2.shape[:-1] + (1,), -math.inf)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)  # rows without a key: 2^(-inf - 0) = 0
@@ -325,10 +333,10 @@ def _pv_fp16(s2, v, dtype):
 
 
 def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
-                             return_lse=False, pv_precision="fp16", smooth_q=False, balance_channels=False):
+                             return_lse=False, pv_precision="fp16", smooth_q=False, balance_channels=True):
     """The INT8 scheme of the module docstring, in PyTorch (any device). Same signature and outputs as
     ``attention_int8.int8_attention_forward``: ``out`` (dtype and layout of q) or ``(out, lse)``. ``pv_precision``:
-    "fp16" (P.V in the input dtype, step 4) or "int8"; ``smooth_q``, ``balance_channels``: the options above."""
+    "fp16" (P.V in the input dtype, step 5) or "int8"; ``smooth_q``: the option above; ``balance_channels``: step 2."""
     if pv_precision not in PV_PRECISIONS:
         raise ValueError(f'pv_precision must be "fp16" or "int8", got {pv_precision!r}')
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
@@ -358,7 +366,7 @@ def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_lay
         out[:, :, start:stop] = torch.where(has_key[:, None], o, torch.zeros_like(o))
         row_lse = (m + torch.log2(row_sum)).squeeze(-1) * math.log(2.0)
         lse[:, :, start:stop] = torch.where(has_key, row_lse, lse[:, :, start:stop])
-    if k_center is not None:  # step 5: add back the shift q . c that smoothing took out of the logits
+    if k_center is not None:  # step 6: add back the shift q . c that smoothing took out of the logits
         lse += (q.float() @ _repeat_heads(k_center, group).unsqueeze(-1)).squeeze(-1) * sm_scale
     out = _from_hnd(out.to(q.dtype), tensor_layout)
     return (out, lse) if return_lse else out

@@ -1,0 +1,54 @@
+"""Op time with issue 46's remedies on and off at named shapes, beside cuDNN's SDPA, in one run.
+
+    python benchmarks/remedy_time.py [--dtype float16|bfloat16] [--rounds 3] [--min-seconds S] SHAPE [SHAPE ...]
+
+SHAPE is a key of bench_attention.NAMED_SHAPES (all of them: `A A4608 B B32768 C C8192 G G8192 D Dc P96 P80 P256
+I256`). The kernels implement channel balancing (`balance_channels`, on by default); Q smoothing is not in them
+yet. Timing is bench_attention's (rotating input sets larger than L2, a spin kernel ahead of each pass, median
+per-call time), in `--rounds` interleaved rounds of the three methods (the GPU's clocks drift within a run); each
+cell is the median over the rounds. One line per shape:
+
+    remedy_time SHAPE DTYPE on <us> off <us> cost <percent> cudnn <us> vs cudnn <ratio>x
+"""
+
+import functools
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import bench_attention as bench
+
+
+def main():
+    parser = bench.named_shapes_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=0.2, help="timed work per method and round, at least")
+    args = parser.parse_args()
+
+    def measure(key, shape, sets, op, ai8):
+        def int8(balance, q, k, v):
+            return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal, balance_channels=balance)
+
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
+                                                      enable_gqa=shape.hq != shape.hkv)
+
+        methods = {"on": functools.partial(int8, True), "off": functools.partial(int8, False), "cudnn": cudnn}
+        times = {name: [] for name in methods}
+        for _ in range(args.rounds):
+            for name, fn in methods.items():
+                times[name].append(bench.time_ms(fn, sets, args.min_seconds))
+        us = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"remedy_time {key} {args.dtype} on {us['on']:.1f} off {us['off']:.1f} "
+              f"cost {100 * (us['on'] / us['off'] - 1):+.1f}% cudnn {us['cudnn']:.1f} "
+              f"vs cudnn {us['cudnn'] / us['on']:.2f}x", flush=True)
+
+    return bench.for_each_named_shape(args, "remedy_time", measure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
