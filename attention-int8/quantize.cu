@@ -355,32 +355,41 @@ __global__ void __launch_bounds__(QuantRowShape<kHeadDim>::kThreads, QuantRowSha
   }
 }
 
-// The centre's fp64 sums: a thread's 8 channels over its sample rows that `use` selects, then over the
-// row groups through shared memory, so that thread d < kHeadDim returns channel d's total. Exact for fp16
-// data (KeyCenterParams): the order of the additions does not change the result.
-template <int kHeadDim, int kRowGroups, int kRows, typename Elem>
-__device__ __forceinline__ double channel_total(const Elem (&e8)[kRows][kChunkElems], const bool (&use)[kRows],
-                                                double (&group_sums)[kRowGroups][kHeadDim]) {
+// A reduction of the centre kernel's sample rows `use` per channel: value(i, e) of the thread's row i and channel
+// chunk * 8 + e, combined with op (whose identity is T{}) over the thread's rows, then over the row groups through
+// shared memory, so that thread d < kHeadDim returns channel d's result.
+template <int kHeadDim, int kRowGroups, int kRows, typename T, typename Value, typename Op>
+__device__ __forceinline__ T channel_reduce(const bool (&use)[kRows], T (&group_acc)[kRowGroups][kHeadDim], Value value,
+                                            Op op) {
   using Shape = QuantRowShape<kHeadDim>;
   const int chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
-  double sum[kChunkElems] = {};
+  T acc[kChunkElems] = {};
 #pragma unroll
   for (int i = 0; i < kRows; ++i)
 #pragma unroll
     for (int e = 0; e < kChunkElems; ++e)
-      if (use[i]) sum[e] += to_float(e8[i][e]);
+      if (use[i]) acc[e] = op(acc[e], value(i, e));
   if (chunk < Shape::kChunks) {
 #pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) group_sums[group][chunk * kChunkElems + e] = sum[e];
+    for (int e = 0; e < kChunkElems; ++e) group_acc[group][chunk * kChunkElems + e] = acc[e];
   }
   __syncthreads();
-  double total = 0.0;
+  T total{};
   if (threadIdx.x < kHeadDim) {
 #pragma unroll 8
-    for (int g = 0; g < kRowGroups; ++g) total += group_sums[g][threadIdx.x];
+    for (int g = 0; g < kRowGroups; ++g) total = op(total, group_acc[g][threadIdx.x]);
   }
-  __syncthreads();  // group_sums is reused
+  __syncthreads();  // group_acc is reused
   return total;
+}
+
+// The centre's fp64 sums of the sample rows `use`, per channel. Exact for fp16 data (KeyCenterParams): the order of
+// the additions does not change the result.
+template <int kHeadDim, int kRowGroups, int kRows, typename Elem>
+__device__ __forceinline__ double channel_total(const Elem (&e8)[kRows][kChunkElems], const bool (&use)[kRows],
+                                                double (&group_sums)[kRowGroups][kHeadDim]) {
+  return channel_reduce<kHeadDim>(use, group_sums, [&](int i, int e) { return double(to_float(e8[i][e])); },
+                                  [](double a, double b) { return a + b; });
 }
 
 // Channel balancing's factor of one channel from Q's and K's ranges (KeyCenterParams).
@@ -389,31 +398,16 @@ __device__ __forceinline__ float balance_factor(float q_range, float k_range) {
   return isfinite(s) && s > 0.f && (s >= kBalanceMinFactor || s <= 1.f / kBalanceMinFactor) ? s : 1.f;
 }
 
-// The channel ranges max |x_d - center_d| over the thread's sample rows `use`, then over the row groups through
-// shared memory (as |x| bits, whose unsigned max propagates NaN), so that thread d < kHeadDim returns channel d's.
+// The channel ranges max |x_d - center_d| over the sample rows `use`, as |x| bits (whose unsigned max propagates
+// NaN), per channel.
 template <int kHeadDim, int kRowGroups, int kRows, typename Elem>
 __device__ __forceinline__ uint32_t channel_range_bits(const Elem (&e8)[kRows][kChunkElems], const bool (&use)[kRows],
                                                        const float* center,
                                                        uint32_t (&group_bits)[kRowGroups][kHeadDim]) {
-  using Shape = QuantRowShape<kHeadDim>;
-  const int chunk = threadIdx.x % Shape::kLanes, group = threadIdx.x / Shape::kLanes;
-  if (chunk < Shape::kChunks) {
-    uint32_t bits[kChunkElems] = {};
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int e = 0; e < kChunkElems; ++e)
-        if (use[i]) bits[e] = max(bits[e], quant::abs_bits(to_float(e8[i][e]) - center[chunk * kChunkElems + e]));
-#pragma unroll
-    for (int e = 0; e < kChunkElems; ++e) group_bits[group][chunk * kChunkElems + e] = bits[e];
-  }
-  __syncthreads();
-  uint32_t range = 0;
-  if (threadIdx.x < kHeadDim) {
-#pragma unroll 8
-    for (int g = 0; g < kRowGroups; ++g) range = max(range, group_bits[g][threadIdx.x]);
-  }
-  return range;
+  const int first = threadIdx.x % QuantRowShape<kHeadDim>::kLanes * kChunkElems;
+  return channel_reduce<kHeadDim>(
+      use, group_bits, [&](int i, int e) { return quant::abs_bits(to_float(e8[i][e]) - center[first + e]); },
+      quant::UnsignedMax{});
 }
 
 // K's smoothing centre (KeyCenterParams), one block per head. The sample rows spread over groups of kLanes

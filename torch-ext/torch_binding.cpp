@@ -262,7 +262,8 @@ struct ChannelBalance {
 };
 
 ChannelBalance balance_channels_of(const Operand& q, const Operand& k, bool programmatic_launch, cudaStream_t stream) {
-  const CenterPass q_pass = empty_center_pass(q, /*with_range=*/true), k_pass = empty_center_pass(k, true);
+  const CenterPass q_pass = empty_center_pass(q, /*with_range=*/true);
+  const CenterPass k_pass = empty_center_pass(k, /*with_range=*/true);
   check_cuda(ai8::launch_key_center(center_params(q, q_pass), q.packed, stream), "launching key_center on q");
   ChannelBalance out{k_pass.center, at::empty_like(k_pass.center), at::empty_like(k_pass.center)};
   ai8::KeyCenterParams params = center_params(k, k_pass);
