@@ -109,6 +109,10 @@ __device__ __forceinline__ void attention_tile(const AttentionParams& p) {
   const int8_t* q_tile = p.q + (bh_q * p.seqlen_q_pad + m0) * D;
   const int8_t* k_head = p.k + bh_kv * p.seqlen_kv_pad * D;
   const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);
+  // Q smoothing, chosen per head (KeyCenterParams): the quantizer took Q's shift out of q_q, the logits get the key
+  // biases back.
+  const float* key_bias =
+      p.query_smoothed != nullptr && p.query_smoothed[bh_q] ? p.key_bias + bh_q * p.seqlen_kv_pad : nullptr;
   const Elem* v_head = static_cast<const Elem*>(p.v) + batch * p.v_view.batch_stride + head_kv * p.v_view.head_stride;
 
   // Keys this CTA must visit: all of them, or under the causal mask up to the last key its last row sees.
@@ -193,7 +197,8 @@ __device__ __forceinline__ void attention_tile(const AttentionParams& p) {
       }
     }
 
-    // Dequantize with the row's scale against the tile's key block (quant_math.cuh), exactly S * c.
+    // Dequantize with the row's scale against the tile's key block (quant_math.cuh), exactly S * c; a key bias is then
+    // added with one rounding, as the reference's FMA does.
     float s[MT][Traits::kSTiles][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -205,10 +210,20 @@ __device__ __forceinline__ void attention_tile(const AttentionParams& p) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) s[mt][t][e] = c(s_int[mt][t][e]);
       }
+    const int n0 = n_block * BN;
+    if (key_bias != nullptr) {
+#pragma unroll
+      for (int t = 0; t < Traits::kSTiles; ++t) {
+        const float2 bias = __ldg(reinterpret_cast<const float2*>(key_bias + n0 + t * 8 + 2 * tig));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][t][e] += e % 2 == 0 ? bias.x : bias.y;
+      }
+    }
 
     // Mask keys past the end and, under the causal mask, keys after the row's diagonal. Only tiles
     // that cross either boundary pay for it.
-    const int n0 = n_block * BN;
     if (keys_need_mask(p, n0, BN, m0)) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)

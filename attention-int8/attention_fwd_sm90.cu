@@ -6,7 +6,8 @@
 //                              S = Q_q K_q^T : m64n64k32 s8 x s8 -> s32, Q and K from shared memory;
 //                              O += P V      : m64n(D'+8)k16 f16/bf16 -> f32, P from registers, V MN-major from
 //                                              shared memory, then 8 columns of ones for P's row sums
-//   sm90_softmax.cuh         the mask, the integer tile max, the lazy running max and the exponentials
+//   sm90_softmax.cuh         the mask, the integer tile max, the lazy running max and the exponentials (with Q
+//                              smoothing's key biases in the heads that have them)
 //   sm90_epilogue.cuh        O and the LSE, or a split tile's partials
 //   sm90_combine.cuh         the split-KV combine kernel
 // D' = D for D = 64 and 128; D = 96 runs as D' = 128 on rows padded with zeros (Traits::kMmaDim). Warp
@@ -95,11 +96,14 @@ __device__ __forceinline__ void attention_work_tile(const AttentionParams& p, co
   sm90::fence_proxy_async_smem();
   __syncthreads();
 
+  const int64_t bh_q = int64_t(batch) * p.heads_q + head;
   if (warpgroup == 0) {
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0) {
-      ptx::wait_for_predecessor();  // K and its scales come from the quantizer
-      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes, v_map, v_key0, head_kv, v_batch,
+      ptx::wait_for_predecessor();  // K, its scales and biases come from the quantizer
+      const bool smoothed = p.query_smoothed != nullptr && p.query_smoothed[bh_q];
+      produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes,
+                            smoothed ? p.key_bias + bh_q * p.seqlen_kv_pad : nullptr, v_map, v_key0, head_kv, v_batch,
                             n_begin, n_blocks);
     }
     return;
@@ -107,25 +111,39 @@ __device__ __forceinline__ void attention_work_tile(const AttentionParams& p, co
   sm90::claim_registers<Traits::kConsumerRegs>();
 
   ptx::wait_for_predecessor();  // before k_center, K's scales and any global write (dispatch.cuh's launch())
+  // Q smoothing is chosen per head (KeyCenterParams): one flag for the CTA, broadcast so that it is warp-uniform.
+  const bool smoothed = __shfl_sync(0xffffffffu, p.query_smoothed != nullptr && p.query_smoothed[bh_q], 0);
   // The Q tile lives in the consumer's O staging tiles, which the epilogue uses only after the last wgmma.
   char* q_tile = smem.o_tile(consumer * 4);
-  const QRowScales q = quantize_q_rows<Traits>(p, batch, head_kv, q_raw, q_tile, warp_in_group, group, tig);
+  const QRowScales q =
+      quantize_q_rows<Traits>(p, batch, head, head_kv, smoothed, q_raw, q_tile, warp_in_group, group, tig);
   sm90::fence_proxy_async_smem();  // the generic-proxy stores, before the wgmmas read them
   sm90::named_barrier_sync(kQTileBarrier<Traits> + consumer, 128);
 
-  Sm90Mainloop<Traits> mainloop(smem, q_tile, consumer, n_begin, p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens));
-  float o_acc[kORegs];
-#pragma unroll
-  for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
-  Sm90Softmax<Traits> softmax;
   const bool has_rows = consumer >= first_row_consumer && consumer < end_row_consumer;
   const int n_own =
       has_rows ? max(0, min(work.n_end, visible_key_blocks(p, first_row + kRows, Traits::kBlockN)) - n_begin) : 0;
   const int n_unmasked = max(0, min(n_own, unmasked_key_blocks(p, first_row, Traits::kBlockN) - n_begin));
-  mainloop.run(o_acc, softmax, q, rows, p, n_blocks, n_own, n_unmasked);
-
-  const Sm90Epilogue<Traits> epilogue{p, batch, head, m0, warp_row0, rows, group, tig, lane};
-  epilogue.store(o_acc, softmax.row_max, q, work.partial_row0, smem.o_tile(consumer * 4 + warp_in_group));
+  const int64_t key_blocks = p.seqlen_kv_pad / kKeyScaleTokens;
+  // The key loop and the epilogue, once with Q smoothing's key biases and once without, so that the unsmoothed heads
+  // run without their cost. Nothing of the loop is live across the branch: ptxas serializes the wgmmas otherwise.
+  const auto consume = [&](auto biasing) {
+    constexpr bool kBiased = std::is_same_v<decltype(biasing), Biased>;
+    Sm90Mainloop<Traits> mainloop(smem, q_tile, consumer, n_begin, p.k_scale + bh_kv * key_blocks,
+                                  kBiased ? p.key_bias_max + bh_q * key_blocks : nullptr);
+    float o_acc[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
+    Sm90Softmax<Traits> softmax;
+    mainloop.run(biasing, o_acc, softmax, q, rows, p, n_blocks, n_own, n_unmasked);
+    const Sm90Epilogue<Traits> epilogue{p, batch, head, m0, warp_row0, rows, group, tig, lane};
+    epilogue.store(o_acc, softmax.row_max, q, work.partial_row0, smem.o_tile(consumer * 4 + warp_in_group));
+  };
+  if (smoothed) {
+    consume(Biased{});
+  } else {
+    consume(Unbiased{});
+  }
 }
 
 // Packed sequences: the grid covers the longest sequence, and the causal row_shift is each sequence's own. The

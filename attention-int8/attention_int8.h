@@ -86,6 +86,16 @@ struct QuantizeParams {
   // the mean's subtraction and before the amax (Q: the factors s, K: 1 / s; KeyCenterParams). row_dot is unscaled.
   const float* channel_scale;  // [B, H / head_group, D] fp32 contiguous, or nullptr
   int head_group;  // rows of H per row of dot_vec and channel_scale: Q heads per K/V head for Q, 1 for K
+  // Optional, K's launch under Q smoothing (KeyCenterParams): for each of the query_group Q heads g of K/V head h whose
+  // query_smoothed flag is set, key_bias[b, h * query_group + g, n] = (x[b, h, n, :] - mean) . query_shift[.., g, :]
+  // * bias_scale (the smoothed, unbalanced key against Q's centre, in base-2 logit units), and key_bias_max[.., n / 64]
+  // the max of those over the key's block of kKeyScaleTokens keys (rows past seqlen left out).
+  const float* query_shift;   // [B, H * query_group, D], or nullptr (no Q smoothing)
+  const int* query_smoothed;  // [B, H * query_group]
+  float* key_bias;            // [B, H * query_group, seqlen_pad]
+  float* key_bias_max;        // [B, H * query_group, seqlen_pad / kKeyScaleTokens]
+  int query_group;
+  float bias_scale;  // sm_scale * log2(e)
   int batch, heads, seqlen, seqlen_pad, head_dim;
   int tokens_per_scale;  // 1 or kKeyScaleTokens
   float out_scale;
@@ -189,6 +199,14 @@ struct AttentionParams {
   const float* k_center;
   const float* q_center_dot;
   const float* q_balance;  // sm90: channel balancing's factors s ([B, Hkv, D] fp32) for the Q tiles, or nullptr
+  // Q smoothing (KeyCenterParams), or all nullptr: in the heads whose query_smoothed[b, h] is set, the sm90 kernel's Q
+  // tiles subtract query_shift[b, h, :] (the portable kernel's quantizer did already), and every logit of key j gains
+  // key_bias[b, h, j]. The sm90 kernel keeps its integer tile max and takes t + key_bias_max of the tile's block as
+  // the tile's max, an upper bound of its biased logits.
+  const int* query_smoothed;  // [B, Hq] int32
+  const float* query_shift;   // sm90: [B, Hq, D] fp32
+  const float* key_bias;      // [B, Hq, seqlen_kv_pad] fp32
+  const float* key_bias_max;  // sm90: [B, Hq, seqlen_kv_pad / kKeyScaleTokens] fp32
   float sm_scale;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, seqlen_q_pad, seqlen_kv_pad, head_dim;
   bool causal;
@@ -225,6 +243,13 @@ struct AttentionParams {
 // of fewer than kCenterSampleKeys rows reports ranges of 0, so factors of 1: a few rows' max is far below 128's.
 // Q's launch writes channel_range alone; K's launch, which runs after it (as its programmatic dependent on sm_90),
 // reads Q's ranges as query_range and writes s and 1 / s to balance and balance_inverse.
+//
+// Q smoothing (issue 46) is chosen per query head by K's launch, from Q's centre mu (query_center) and ranges: a head
+// is smoothed when max_d |mu_d| exceeds kQueryShiftMinRatio times max_d range_d (query_smoothing_pays). Its Q rows are
+// then quantized as q - mu, and every logit of key j gains the exact fp32 bias mu . (k_j - k_center) * sm_scale *
+// log2(e), which the K quantizer computes (QuantizeParams::key_bias): q . k is unchanged, and a shared Q offset no
+// longer owns Q's INT8 range. Heads below that ratio are not worth the bias's cost in the key loop. K's launch writes
+// query_smoothed (0 or 1) and query_shift (mu where smoothed, else zeros) for each of its query_group Q heads.
 struct KeyCenterParams {
   const void* x;
   RowMajorView x_view;
@@ -235,11 +260,22 @@ struct KeyCenterParams {
   const float* query_range;  // K's launch: [B, H * query_group, D] from Q's launch, or nullptr (no factors)
   int query_group;
   float* balance;            // [B, H, D]: s
-  float* balance_inverse;    // [B, H, D]: 1 / s
+  float* balance_inverse;    // [B, H, D]: 1 / s, or both nullptr (no balancing)
+  const float* query_center;  // K's launch, Q smoothing: [B, H * query_group, D] from Q's launch, or nullptr
+  float* query_shift;         // [B, H * query_group, D]
+  int* query_smoothed;        // [B, H * query_group]
   bool programmatic_launch;  // K's launch, as the dependent of Q's (sm_90+)
 };
 
 constexpr float kBalanceMinFactor = 2.f;  // reweighting channels already balanced, by sampling noise, costs accuracy
+
+// Q smoothing's rule (KeyCenterParams; reference.py: query_smoothing_heads): a Q centre offset of max |mu_d| against Q's
+// largest channel range about it. Below a quarter the measured gain in accuracy is under a tenth (docs/DESIGN.md,
+// rationale); a head without ranges (fewer than kCenterSampleKeys rows: range 0) or with a NaN is never smoothed.
+constexpr float kQueryShiftMinRatio = 0.25f;
+__host__ __device__ constexpr bool query_smoothing_pays(float offset, float spread) {
+  return spread > 0.f && offset > kQueryShiftMinRatio * spread;
+}
 
 constexpr int kCenterSampleKeys = 128;
 constexpr int kCenterTrimDivisor = 32;

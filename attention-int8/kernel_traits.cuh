@@ -157,10 +157,13 @@ struct Sm90AttentionKernelTraits {
                 "a consumer's staging tiles hold its Q tile, on a swizzle atom boundary");
   // The split-KV combine: this many consecutive threads merge a query row's fp32 partials, 4 channels each.
   static constexpr int kCombineRowThreads = kHeadDim / 4;
+  // Q smoothing's key biases (AttentionParams::key_bias): the tile's kBlockN fp32 values per stage, after O's staging.
+  static constexpr int kSmemBiasBytes = kBlockN * 4;
+  static_assert(kSmemOBytes % 16 == 0 && kSmemBiasBytes % 16 == 0, "bulk copies land on 16-byte boundaries");
   // Barriers: full/empty per stage (K and V together).
   static constexpr int kBarriers = 2 * kStages;
-  static constexpr int kSmemBytes =
-      1024 /* base alignment slack */ + kStages * kSmemStageBytes + kSmemOBytes + kBarriers * 8;
+  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kStages * kSmemStageBytes + kSmemOBytes +
+                                    kStages * kSmemBiasBytes + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");
 };
 

@@ -156,15 +156,60 @@ __device__ __forceinline__ uint32_t chunk_max_bits(const RowChunk& r, const Elem
   return values_max_bits(x);
 }
 
-// row_dot[row] = (x - mean) . dot_w over the lane group's row. Every lane takes part (warp-wide shuffles).
-template <int kHeadDim, typename Elem>
-__device__ __forceinline__ void store_row_dot(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
-                                              const float (&mean)[kChunkElems], const float (&dot_w)[kChunkElems]) {
+// The dot product of the lane group's row, value(e) of the lane's 8 elements against w, on every lane of the group.
+// Every lane takes part (warp-wide shuffles).
+template <int kHeadDim, typename Value>
+__device__ __forceinline__ float row_dot_product(Value value, const float (&w)[kChunkElems]) {
   float dot = 0.f;
 #pragma unroll
-  for (int e = 0; e < kChunkElems; ++e) dot += centered(r, e8, mean, e) * dot_w[e];
-  dot = group_reduce<QuantRowShape<kHeadDim>::kLanes>(dot, [](float a, float b) { return a + b; });
+  for (int e = 0; e < kChunkElems; ++e) dot += value(e) * w[e];
+  return group_reduce<QuantRowShape<kHeadDim>::kLanes>(dot, [](float a, float b) { return a + b; });
+}
+
+// row_dot[row] = x . dot_w of the raw row (Q's against K's centre: the LSE's shift, which Q smoothing does not move).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void store_row_dot(const QuantizeParams& p, const RowChunk& r, int chunk, const Elem (&e8)[kChunkElems],
+                                              const float (&dot_w)[kChunkElems]) {
+  const float dot = row_dot_product<kHeadDim>([&](int e) { return r.has_data ? to_float(e8[e]) : 0.f; }, dot_w);
   if (r.active && chunk == 0) p.row_dot[r.row] = dot;
+}
+
+// Q smoothing's key biases (QuantizeParams::key_bias) of the thread's rows for each smoothed Q head of this K/V head,
+// and their max over each K scale block. The flags are the same for the whole block, and every thread takes part
+// (shuffles and barriers).
+template <int kHeadDim, typename Elem>
+__device__ __forceinline__ void store_key_biases(const QuantizeParams& p, const RowChunk (&rows)[kRowIters], int chunk,
+                                                 const Elem (&e8)[kRowIters][kChunkElems], const float (&mean)[kChunkElems]) {
+  using Shape = QuantRowShape<kHeadDim>;
+  constexpr int kWarpsPerScale = kKeyScaleTokens / Shape::kRowsPerWarpPass;
+  __shared__ float warp_max[2][Shape::kWarps];  // alternate between smoothed heads: one barrier a head
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t blocks = p.seqlen_pad / kKeyScaleTokens;
+  int buffer = 0;
+  for (int g = 0; g < p.query_group; ++g) {
+    const int64_t q_head = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.query_group + g;
+    if (!p.query_smoothed[q_head]) continue;
+    float shift[kChunkElems] = {};
+    if (chunk < Shape::kChunks) load_channels(p.query_shift + q_head * kHeadDim + chunk * kChunkElems, shift);
+    float block_max = -INFINITY;
+#pragma unroll
+    for (int it = 0; it < kRowIters; ++it) {
+      const RowChunk& r = rows[it];
+      const float bias = row_dot_product<kHeadDim>([&](int e) { return centered(r, e8[it], mean, e); }, shift) *
+                         p.bias_scale;
+      if (r.active && chunk == 0) p.key_bias[q_head * p.seqlen_pad + r.n] = bias;
+      if (r.has_data) block_max = fmaxf(block_max, bias);
+    }
+    block_max = group_reduce<32>(block_max, [](float a, float b) { return fmaxf(a, b); });
+    if (lane == 0) warp_max[buffer][warp] = block_max;
+    __syncthreads();
+    if (lane == 0 && warp % kWarpsPerScale == 0 && rows[0].active) {  // the scale block's first row
+#pragma unroll
+      for (int w = 1; w < kWarpsPerScale; ++w) block_max = fmaxf(block_max, warp_max[buffer][warp + w]);
+      p.key_bias_max[q_head * blocks + rows[0].n / kKeyScaleTokens] = block_max;
+    }
+    buffer ^= 1;
+  }
 }
 
 // K's scale blocks: every row's max |x| bits become its block's. All rows of a warp lie in one block
@@ -297,7 +342,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     uint32_t max_bits[kRowIters];
 #pragma unroll
     for (int it = 0; it < kRowIters; ++it) {
-      if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], shift.mean, dot_w);  // uniform
+      if (p.dot_vec != nullptr) store_row_dot<kHeadDim>(p, rows[it], chunk, e8[it], dot_w);  // uniform
       max_bits[it] = chunk_max_bits(rows[it], e8[it], shift);
     }
 #pragma unroll
@@ -313,6 +358,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     }
   } else {  // per key block: one scale for all the thread's rows, whose fp32 values (computed once) replace
             // the raw chunks and the mean in registers
+    if (p.query_shift != nullptr) store_key_biases<kHeadDim>(p, rows, chunk, e8, shift.mean);  // uniform
     float x[kRowIters][kChunkElems];
     uint32_t max_bits[kRowIters];
 #pragma unroll
@@ -510,17 +556,46 @@ __device__ __forceinline__ uint32_t key_center_block(const KeyCenterParams& p) {
 
 // K's launch with Q's ranges: thread d < kHeadDim writes channel d's balancing factors, from its K range (|x| bits).
 template <int kHeadDim>
-__device__ __forceinline__ void store_balance(const KeyCenterParams& p, uint32_t k_range_bits) {
-  if (p.query_range == nullptr) return;
-  ptx::wait_for_predecessor();  // Q's ranges (a no-op unless launched as the dependent of Q's launch)
+__device__ __forceinline__ void store_balance(const KeyCenterParams& p, int64_t head, uint32_t k_range_bits) {
   if (threadIdx.x >= kHeadDim) return;
-  const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
   uint32_t q_range_bits = 0;
   for (int g = 0; g < p.query_group; ++g)
     q_range_bits = max(q_range_bits, __float_as_uint(p.query_range[(head * p.query_group + g) * kHeadDim + threadIdx.x]));
   const float s = balance_factor(__uint_as_float(q_range_bits), __uint_as_float(k_range_bits));
   p.balance[head * kHeadDim + threadIdx.x] = s;
   p.balance_inverse[head * kHeadDim + threadIdx.x] = 1.f / s;
+}
+
+// K's launch with Q's centres and ranges: warp w decides Q smoothing for query heads w, w + warps, .. of this K/V head
+// (query_smoothing_pays) and writes their flags and shifts.
+template <int kHeadDim>
+__device__ __forceinline__ void store_query_shifts(const KeyCenterParams& p, int64_t head) {
+  constexpr int kWarps = kCenterThreads / 32;
+  const int lane = threadIdx.x % 32;
+  for (int g = threadIdx.x / 32; g < p.query_group; g += kWarps) {
+    const int64_t q_head = head * p.query_group + g;
+    const float* center = p.query_center + q_head * kHeadDim;
+    uint32_t offset_bits = 0, spread_bits = 0;  // |x| bits: their unsigned max is the float max, NaN above all
+    for (int d = lane; d < kHeadDim; d += 32) {
+      offset_bits = max(offset_bits, quant::abs_bits(center[d]));
+      spread_bits = max(spread_bits, __float_as_uint(p.query_range[q_head * kHeadDim + d]));
+    }
+    offset_bits = group_reduce<32>(offset_bits, quant::UnsignedMax{});
+    spread_bits = group_reduce<32>(spread_bits, quant::UnsignedMax{});
+    const bool smoothed = query_smoothing_pays(__uint_as_float(offset_bits), __uint_as_float(spread_bits));
+    for (int d = lane; d < kHeadDim; d += 32) p.query_shift[q_head * kHeadDim + d] = smoothed ? center[d] : 0.f;
+    if (lane == 0) p.query_smoothed[q_head] = smoothed;
+  }
+}
+
+// What K's launch derives from Q's (balancing factors, Q smoothing), once Q's launch is done.
+template <int kHeadDim>
+__device__ __forceinline__ void store_query_factors(const KeyCenterParams& p, uint32_t k_range_bits) {
+  if (p.query_range == nullptr) return;
+  ptx::wait_for_predecessor();  // Q's centres and ranges (a no-op unless launched as the dependent of Q's launch)
+  const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+  if (p.balance != nullptr) store_balance<kHeadDim>(p, head, k_range_bits);
+  if (p.query_center != nullptr) store_query_shifts<kHeadDim>(p, head);
 }
 
 template <int kHeadDim, typename Elem, bool kPacked>
@@ -540,7 +615,7 @@ __global__ void __launch_bounds__(kCenterThreads, 1)
   } else {
     range_bits = key_center_block<kHeadDim, Elem>(p);
   }
-  store_balance<kHeadDim>(p, range_bits);
+  store_query_factors<kHeadDim>(p, range_bits);
 }
 
 }  // namespace
@@ -562,6 +637,7 @@ cudaError_t launch_quantize(const QuantizeParams& p, const PackedSequences& pack
   if (int64_t(p.batch) * p.heads * p.seqlen_pad == 0) return cudaSuccess;
   if (p.tokens_per_scale != 1 && p.tokens_per_scale != kKeyScaleTokens) return cudaErrorInvalidValue;
   if (p.tokens_per_scale != 1 && p.dot_vec != nullptr) return cudaErrorInvalidValue;  // row_dot is per token
+  if (p.tokens_per_scale == 1 && p.query_shift != nullptr) return cudaErrorInvalidValue;  // key biases are K's
   if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;  // gridDim.z / gridDim.y
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;

@@ -20,13 +20,16 @@ namespace attention_int8 {
 
 template <typename Traits>
 struct Sm90Smem {
-  char* stage_base;  // kStages stages, then the O staging tiles, then the barriers
+  char* stage_base;  // kStages stages, then the O staging tiles, the key biases' stages, the barriers
   uint64_t* barriers;
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
   __device__ char* ones(int stage) const { return v(stage) + Traits::kSmemVBytes; }  // the box after V's
   __device__ char* o_tile(int consumer_warp) const {
     return stage_base + Traits::kStages * Traits::kSmemStageBytes + consumer_warp * Traits::kSmemOWarpBytes;
+  }
+  __device__ float* key_bias(int stage) const {
+    return reinterpret_cast<float*>(o_tile(Traits::kConsumerWarps) + stage * Traits::kSmemBiasBytes);
   }
   // One full and one empty barrier per stage, for its K and V tiles together: each barrier test is a round trip
   // on the key loop's serial path, and tiles land long before they are needed.
@@ -65,20 +68,22 @@ __device__ __forceinline__ void fill_sum_columns(const Sm90Smem<Traits>& smem) {
   }
 }
 
-// The producer: one thread issues every copy of the CTA (K and V per tile; consumers load K's scale). Tile j of
-// the stream is key tile n_begin + j.
+// The producer: one thread issues every copy of the CTA (K and V per tile, and under Q smoothing the tile's key
+// biases, key_bias_head non-null; consumers load K's scale). Tile j of the stream is key tile n_begin + j.
 template <typename Traits>
 __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, const int8_t* k_head,
-                                              const CUtensorMap* v_map, int v_key0, int head_kv, int v_batch,
-                                              int n_begin, int n_blocks) {
+                                              const float* key_bias_head, const CUtensorMap* v_map, int v_key0,
+                                              int head_kv, int v_batch, int n_begin, int n_blocks) {
   constexpr int BN = Traits::kBlockN;
+  const int bias_bytes = key_bias_head != nullptr ? Traits::kSmemBiasBytes : 0;
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
     const int stage = stage_of<Traits>(n_block);
     const uint32_t free_parity = phase_of<Traits>(n_block) ^ 1;
     const int64_t n0 = int64_t(n_begin + n_block) * BN;
     sm90::mbarrier_wait(smem.empty(stage), free_parity);
-    sm90::mbarrier_arrive_expect_tx(smem.full(stage), Traits::kSmemKBytes + Traits::kSmemVBytes);
+    sm90::mbarrier_arrive_expect_tx(smem.full(stage), Traits::kSmemKBytes + Traits::kSmemVBytes + bias_bytes);
     sm90::bulk_copy_g2s(smem.k(stage), k_head + n0 * Traits::kQKRowBytes, Traits::kSmemKBytes, smem.full(stage));
+    if (bias_bytes > 0) sm90::bulk_copy_g2s(smem.key_bias(stage), key_bias_head + n0, bias_bytes, smem.full(stage));
     // Keys past seqlen_kv arrive as zeros (P is 0 there, and 0 * garbage could be NaN). Full boxes
     // count towards the transaction bytes either way.
 #pragma unroll
@@ -89,11 +94,14 @@ __device__ __forceinline__ void produce_tiles(const Sm90Smem<Traits>& smem, cons
 }
 
 // Tags of a key-loop step: the loop's first tile has no previous P.V to issue behind its S; a masked tile holds
-// keys that some of the consumer's rows do not see.
+// keys that some of the consumer's rows do not see. Tags of a key loop: whether its logits carry Q smoothing's key
+// biases.
 struct FirstTile {};
 struct LaterTile {};
 struct Unmasked {};
 struct Masked {};
+struct Unbiased {};
+struct Biased {};
 
 // One consumer warpgroup's key loop over the CTA's stream of key tiles. In step j, S_j = Q K_j^T and
 // O += P_{j-1} V_{j-1} go to the tensor cores back to back, and the softmax of S_j runs while P_{j-1} V_{j-1} may
@@ -108,6 +116,7 @@ struct Sm90Mainloop {
   const int consumer, next_consumer, lane;
   const int n_begin;        // the stream's first key tile
   const float* k_scales;    // one per key tile of the stream
+  const float* key_bias_maxima;  // Q smoothing: one per key tile of the stream (read by Biased loops only)
   const uint64_t q_desc, k_desc, v_desc;  // of the Q tile and of stage 0's K and V
   // P of the previous tile in k16 A-fragment order (registers 8kk..8kk+7 of an S accumulator hold keys
   // 16kk..16kk+15). It feeds the P.V wgmma issued with this tile's S, so it must stay untouched until that
@@ -117,13 +126,14 @@ struct Sm90Mainloop {
   // Descriptors are built once and kept in registers for the whole loop: ptxas would otherwise rebuild them from
   // the shared-window base in every step.
   __device__ __forceinline__ Sm90Mainloop(const Sm90Smem<Traits>& smem_, const char* q_tile, int consumer_, int n_begin_,
-                                          const float* k_scales_head)
+                                          const float* k_scales_head, const float* key_bias_max_head)
       : smem(smem_),
         consumer(consumer_),
         next_consumer((consumer_ + 1) % Traits::kConsumers),
         lane(threadIdx.x % 32),
         n_begin(n_begin_),
         k_scales(k_scales_head + n_begin_),
+        key_bias_maxima(key_bias_max_head + n_begin_),
         q_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKAtomBytes>(q_tile))),
         k_desc(ptx::keep_in_register(wgmma::make_desc_k_major<Traits::kQKAtomBytes>(smem_.k(0)))),
         v_desc(ptx::keep_in_register(wgmma::make_desc<128>(smem_.v(0), Traits::kSmemVBoxBytes, 8 * 128))) {}
@@ -184,12 +194,15 @@ struct Sm90Mainloop {
   // One step of the key loop, for tile n_block. It waits for the tile's stage, K and V on one barrier. Between the
   // wgmma fence and the final wait the body must be branch-free, since ptxas serializes the wgmmas otherwise:
   // hence compile-time tags for the first tile and for masked tiles.
-  template <typename Order, typename Masking>
-  __device__ __forceinline__ void step(int n_block, Order, Masking, float (&o_acc)[kORegs], Sm90Softmax<Traits>& softmax,
-                                       const QRowScales& q, const int (&rows)[2], const AttentionParams& p) {
+  template <typename Order, typename Masking, typename Biasing>
+  __device__ __forceinline__ void step(int n_block, Order, Masking, Biasing, float (&o_acc)[kORegs],
+                                       Sm90Softmax<Traits>& softmax, const QRowScales& q, const int (&rows)[2],
+                                       const AttentionParams& p) {
     constexpr bool kFirst = std::is_same_v<Order, FirstTile>, kMasked = std::is_same_v<Masking, Masked>;
+    constexpr bool kBiased = std::is_same_v<Biasing, Biased>;
     const int stage = stage_of<Traits>(n_block);
     const float k_scale = __ldg(k_scales + n_block);  // needed after the wgmma: its latency hides there
+    const float bias_max = kBiased ? __ldg(key_bias_maxima + n_block) : 0.f;
     sm90::mbarrier_wait(smem.full(stage), phase_of<Traits>(n_block));
     if constexpr (Traits::kPacked && kMasked)
       clear_keys_past_end(stage, p.seqlen_kv - (n_begin + n_block) * Traits::kBlockN);
@@ -210,9 +223,11 @@ struct Sm90Mainloop {
     wgmma::fence_operands(s_int);
 
     if constexpr (kMasked) mask_logits(p, s_int, (n_begin + n_block) * Traits::kBlockN, rows);
-    const TileExponent exponent = softmax.template update_max<kMasked>(s_int, q.scale, k_scale);
+    TileExponent exponent = softmax.template update_max<kMasked, kBiased>(s_int, q.scale, k_scale, bias_max);
     float probs[kSRegs];  // P overwrites S
-    Sm90Softmax<Traits>::template exponentiate<kMasked>(exponent, s_int, probs);
+    Sm90Softmax<Traits>::template exponentiate<kMasked, kBiased>(exponent, s_int, smem.key_bias(stage), probs);
+    uint32_t p_max_bits[2];
+    if constexpr (kBiased) Sm90Softmax<Traits>::row_max_bits_of(probs, p_max_bits);
 
     // O and P_{j-1} are free once P_{j-1} V_{j-1} has retired: rescale O to the new max, stage P_j.
     // Pinning P first keeps NVVM from sinking the softmax below the wait (ptxas may still hoist the wait).
@@ -222,6 +237,7 @@ struct Sm90Mainloop {
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk) wgmma::fence_operands(p_frag[kk]);
     if constexpr (!kFirst) release_stage(n_block - 1);  // K_j-1 and V_j-1 are consumed
+    if constexpr (kBiased) softmax.tighten_bound(exponent, p_max_bits, probs);
     if constexpr (!kFirst) Sm90Softmax<Traits>::rescale_output(exponent, o_acc);  // on the first tile O is still 0
 #pragma unroll
     for (int kk = 0; kk < Traits::kPVSteps; ++kk)
@@ -232,9 +248,10 @@ struct Sm90Mainloop {
   // The whole loop over the stream's n_blocks tiles. This warpgroup's own tiles are n_own of them (none without
   // query rows; under the causal mask up to its last row's diagonal, while the CTA streams up to the last
   // consumer's); the n_unmasked first ones need no mask, so the key-length tail and the causal diagonal come last.
-  __device__ __forceinline__ void run(float (&o_acc)[kORegs], Sm90Softmax<Traits>& softmax, const QRowScales& q,
-                                      const int (&rows)[2], const AttentionParams& p, int n_blocks, int n_own,
-                                      int n_unmasked) {
+  template <typename Biasing>
+  __device__ __forceinline__ void run(Biasing biasing, float (&o_acc)[kORegs], Sm90Softmax<Traits>& softmax,
+                                      const QRowScales& q, const int (&rows)[2], const AttentionParams& p, int n_blocks,
+                                      int n_own, int n_unmasked) {
     if (n_blocks == 0) return;
     // Turn-taking, round robin from consumer 0: every step waits for its own turn and then hands the turn to the
     // next consumer. The last consumer opens consumer 0's first turn and consumer 0 takes one last turn at the end,
@@ -242,15 +259,15 @@ struct Sm90Mainloop {
     if (Traits::kTakeTurns && consumer == Traits::kConsumers - 1) sm90::named_barrier_arrive(kTurnBarrier, kTurnThreads);
     if (n_own > 0) {
       if (n_unmasked > 0) {
-        step(0, FirstTile{}, Unmasked{}, o_acc, softmax, q, rows, p);
+        step(0, FirstTile{}, Unmasked{}, biasing, o_acc, softmax, q, rows, p);
       } else {
-        step(0, FirstTile{}, Masked{}, o_acc, softmax, q, rows, p);
+        step(0, FirstTile{}, Masked{}, biasing, o_acc, softmax, q, rows, p);
       }
     }
     for (int n_block = 1; n_block < n_unmasked; ++n_block)
-      step(n_block, LaterTile{}, Unmasked{}, o_acc, softmax, q, rows, p);
+      step(n_block, LaterTile{}, Unmasked{}, biasing, o_acc, softmax, q, rows, p);
     for (int n_block = max(1, n_unmasked); n_block < n_own; ++n_block)
-      step(n_block, LaterTile{}, Masked{}, o_acc, softmax, q, rows, p);
+      step(n_block, LaterTile{}, Masked{}, biasing, o_acc, softmax, q, rows, p);
     // The tiles past this warpgroup's rows are masked for all of them: only its turns, so the others get the
     // tensor cores sooner. Nothing to release: a stage is reused kStages tiles later, past n_blocks (and a
     // consumer without rows is not counted by the empty barriers).

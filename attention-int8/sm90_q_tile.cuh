@@ -64,10 +64,11 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, int batch,
 
 // Quantizes the thread's share of the consumer's Q rows into q_tile (rows 16 warp_in_group + group and + 8).
 // The caller makes the tile visible to the wgmmas (async proxy fence, then a barrier over the warpgroup).
+// smoothed: the head's Q smoothing (AttentionParams::query_smoothed), whose shift the rows lose before balancing.
 template <typename Traits>
-__device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, int batch, int head_kv,
-                                                      const QRowsRaw<Traits>& raw, char* q_tile, int warp_in_group,
-                                                      int group, int tig) {
+__device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, int batch, int head, int head_kv,
+                                                      bool smoothed, const QRowsRaw<Traits>& raw, char* q_tile,
+                                                      int warp_in_group, int group, int tig) {
   using Elem = typename Traits::Elem;
   constexpr int kSteps = Traits::kQKSteps, kPerRow = kSteps * 8;
   // x[r][8 c + e] = Q[rows[r]][32 c + 8 tig + e]
@@ -95,6 +96,15 @@ __device__ __forceinline__ QRowScales quantize_q_rows(const AttentionParams& p, 
       for (int i = 0; i < kPerRow; ++i)
         if (holds_channels<Traits>(i / 8, tig)) q.center_dot[r] += x[r][i] * center[32 * (i / 8) + i % 8];
     ptx::quad_reduce(q.center_dot, [](float a, float b) { return a + b; });
+  }
+  if (smoothed) {  // Q smoothing: q - mu (rows without a query too: their results are never stored)
+    const float* shift = p.query_shift + (int64_t(batch) * p.heads_q + head) * Traits::kHeadDim + 8 * tig;
+#pragma unroll
+    for (int i = 0; i < kPerRow; ++i) {
+      const float mu = holds_channels<Traits>(i / 8, tig) ? shift[32 * (i / 8) + i % 8] : 0.f;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) x[r][i] -= mu;
+    }
   }
   if (p.q_balance != nullptr) {  // channel balancing's factors, before the amax (KeyCenterParams)
     const float* balance = p.q_balance + head_kv_row;

@@ -75,6 +75,7 @@ __device__ __forceinline__ void mask_logits(const AttentionParams& p, int32_t (&
 struct TileExponent {
   float c[2], bias[2], alpha[2];
   uint32_t minus_max_bits[2];
+  float previous_max[2];  // the running max before this tile (for tighten_bound)
 };
 
 template <typename Traits>
@@ -86,10 +87,13 @@ struct Sm90Softmax {
   float row_max[2] = {-INFINITY, -INFINITY};  // m of the thread's two rows
 
   // Takes the tile's row maxima of S, moves the running max where the lazy rule says so, and returns the tile's
-  // exponent. A masked tile can be all masked; before it, unmasked tiles have made every row max finite.
-  template <bool kMasked>
+  // exponent. A masked tile can be all masked; before it, unmasked tiles have made every row max finite. kBiased:
+  // Q smoothing adds a key bias to every logit, and t + bias_max (the max of the tile's biases) stands in for the
+  // tile's max, an upper bound of its logits that keeps the max on the integers; P of the tile's largest logit is then
+  // 2^-(the bound's excess) rather than 1, well inside fp16's normal range for any excess the INT8 logits can make.
+  template <bool kMasked, bool kBiased>
   __device__ __forceinline__ TileExponent update_max(const int32_t (&s_int)[kSRegs], const float (&q_scale)[2],
-                                                     float k_scale) {
+                                                     float k_scale, float bias_max) {
     int32_t tile_max_int[2] = {accumulator_row_max<0>(s_int), accumulator_row_max<1>(s_int)};
     ptx::quad_reduce(tile_max_int, [](int32_t a, int32_t b) { return max(a, b); });
     TileExponent e;
@@ -98,9 +102,11 @@ struct Sm90Softmax {
       const ptx::SmallIntScale logit(quant::logit_scale(q_scale[r], k_scale));
       e.c[r] = logit.scale;
       const float tile_max = kMasked && tile_max_int[r] == kMaskedLogit ? -INFINITY : logit(tile_max_int[r]);
-      const float m_new = tile_max > row_max[r] + kRescaleSlack ? tile_max : row_max[r];
+      const float tile_bound = kBiased ? tile_max + bias_max : tile_max;
+      const float m_new = tile_bound > row_max[r] + kRescaleSlack ? tile_bound : row_max[r];
       const float base = kMasked ? exponent_base(m_new) : m_new;
       e.alpha[r] = rescale_factor(row_max[r], base);
+      e.previous_max[r] = row_max[r];
       row_max[r] = m_new;
       if constexpr (Traits::kGapFitsMagic) {
         e.bias[r] = logit.neg_magic_scale + (tile_max - base);
@@ -113,17 +119,61 @@ struct Sm90Softmax {
     return e;
   }
 
-  // P = 2^(l - m) of every logit (masked keys: 0).
-  template <bool kMasked>
+  // P = 2^(l - m) of every logit (masked keys: 0). kBiased: l includes the key biases of the tile, key_bias[j] for its
+  // key j (shared memory), added to the exponent after the FMA so that they keep their own precision.
+  template <bool kMasked, bool kBiased>
   __device__ __forceinline__ static void exponentiate(const TileExponent& e, const int32_t (&s_int)[kSRegs],
-                                                      float (&p)[kSRegs]) {
+                                                      const float* key_bias, float (&p)[kSRegs]) {
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) {
-      const int r = wgmma::accumulator_row(i);
-      const uint32_t gap = uint32_t(s_int[i]) + e.minus_max_bits[r];  // S - S_max, or its magic float's bits
-      const float gap_float = Traits::kGapFitsMagic ? __uint_as_float(gap) : __int2float_rn(int32_t(gap));
-      p[i] = ptx::exp2_approx(fmaf(gap_float, e.c[r], e.bias[r]));
-      if constexpr (kMasked) p[i] = s_int[i] == kMaskedLogit ? 0.f : p[i];
+    for (int i = 0; i < kSRegs; i += 4) {  // registers i .. i + 3: keys accumulator_col(i) and the next, both rows
+      float2 bias = make_float2(0.f, 0.f);
+      if constexpr (kBiased) bias = *reinterpret_cast<const float2*>(key_bias + wgmma::accumulator_col(i));
+#pragma unroll
+      for (int j = i; j < i + 4; ++j) {
+        const int r = wgmma::accumulator_row(j);
+        const uint32_t gap = uint32_t(s_int[j]) + e.minus_max_bits[r];  // S - S_max, or its magic float's bits
+        const float gap_float = Traits::kGapFitsMagic ? __uint_as_float(gap) : __int2float_rn(int32_t(gap));
+        float exponent = fmaf(gap_float, e.c[r], e.bias[r]);
+        if constexpr (kBiased) exponent += j % 2 == 0 ? bias.x : bias.y;
+        p[j] = ptx::exp2_approx(exponent);
+        if constexpr (kMasked) p[j] = s_int[j] == kMaskedLogit ? 0.f : p[j];
+      }
+    }
+  }
+
+  // kBiased: the bound t + bias_max can exceed the tile's largest logit by more than fp16's range holds where the
+  // biases span tens of log2 units (a Q offset against K outlier channels), so P of the whole tile would underflow
+  // once rounded for the P.V. The largest fp32 P of each row tells (bits of P >= 0 order like P: integer maxima);
+  // in the rare warps with a row whose max moved to a bound more than kRescaleSlack above its largest logit, that
+  // row's max is lowered to its largest logit (rounded down to a power of two of P), its P scaled up to match, and
+  // O's rescale factor recomputed. Called after the P.V has retired, so that the rare branch serializes no wgmma.
+  __device__ __forceinline__ static void row_max_bits_of(const float (&p)[kSRegs], uint32_t (&bits)[2]) {
+    int32_t p_bits[kSRegs];
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) p_bits[i] = __float_as_int(p[i]);
+    int32_t m[2] = {accumulator_row_max<0>(p_bits), accumulator_row_max<1>(p_bits)};
+    ptx::quad_reduce(m, [](int32_t a, int32_t b) { return max(a, b); });
+    bits[0] = uint32_t(m[0]), bits[1] = uint32_t(m[1]);
+  }
+
+  __device__ __forceinline__ void tighten_bound(TileExponent& e, const uint32_t (&p_max_bits)[2], float (&p)[kSRegs]) {
+    constexpr uint32_t kLooseBits = uint32_t(127 - int(kRescaleSlack)) << 23;  // 2^-kRescaleSlack
+    bool loose[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      loose[r] = p_max_bits[r] != 0u && p_max_bits[r] < kLooseBits && row_max[r] != e.previous_max[r];
+    if (!__any_sync(0xffffffffu, loose[0] || loose[1])) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!loose[r]) continue;
+      const int log2_p_max = int(p_max_bits[r] >> 23) - 127;  // floor(log2) of the row's largest P (a normal)
+      const float tight = fmaxf(e.previous_max[r], row_max[r] + float(log2_p_max));
+      const float scale = ptx::exp2_approx(row_max[r] - tight);
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i)
+        if (wgmma::accumulator_row(i) == r) p[i] *= scale;
+      e.alpha[r] = rescale_factor(e.previous_max[r], tight);
+      row_max[r] = tight;
     }
   }
 

@@ -54,6 +54,7 @@ PYTHON_ONLY_CASES = {
     "is_causal_not_bool": (lambda q, k, v: ((q, k, v), {"is_causal": 1}), TypeError, [r"is_causal", r"bool"]),
     "balance_not_bool": (lambda q, k, v: ((q, k, v), {"balance_channels": "yes"}), TypeError,
                          [r"balance_channels", r"bool"]),
+    "smooth_q_not_bool": (lambda q, k, v: ((q, k, v), {"smooth_q": 1.0}), TypeError, [r"smooth_q", r"bool"]),
     "sm_scale_tensor": (lambda q, k, v: ((q, k, v), {"sm_scale": torch.tensor(0.1)}), TypeError, [r"sm_scale"]),
 }
 

@@ -282,9 +282,9 @@ def test_smoothing_matters(ai8, monkeypatch, kernel, dtype):
 
 
 # Real activations' hard classes at several magnitudes (K outlier channels x, Q offset x randn(D)), fresh draws.
-# The kernels balance channels but do not smooth Q yet (issue 46), so they are held to the reference of their own
-# scheme, whose error against float64 is the residual these inputs cost today (RESULTS.md, "Accuracy on
-# structured inputs"): the bars hold only where that reference meets them.
+# The kernels are held to the reference of their own scheme (both remedies of issue 46), whose error against float64
+# is the residual these inputs cost (RESULTS.md, "Accuracy on structured inputs"): the bars hold only where that
+# reference meets them.
 ACTIVATION_CLASSES = [(10, 0), (30, 0), (0, 3), (0, 5), (30, 5)]
 
 
@@ -323,7 +323,9 @@ def _outlier_keys(k, magnitude=30.0, channels=4):
 def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, causal):
     """On K outlier channels the kernel matches the reference of its scheme, LSE included, with balancing on and
     with it off, and balancing cuts the error against float64 2.5x or more (the reference: 3.2-4.3x, 4 draws of
-    each case)."""
+    each case). The outlier channels make logits of tens of log2 units, whose LSE the Hopper kernel met to
+    1.52e-3-1.58e-3 in four of twenty runs of these cases (H100, 2026-12-07), beyond lse_ref_atol's 1.5e-3: they
+    get another 1e-3."""
     select_kernel(monkeypatch, kernel)
     q = torch.randn(2, heads_q, 300, head_dim, device="cuda").half()
     k = _outlier_keys(torch.randn(2, heads_kv, 700, head_dim, device="cuda")).half()
@@ -335,18 +337,22 @@ def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv
         out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
         ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
         what = f"D{head_dim} H{heads_q}/{heads_kv} balance={balance}"
-        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_ref_atol(q.dtype), what)
+        lse_atol = lse_ref_atol(q.dtype) + 1e-3
+        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_atol, what)
         errors[balance] = metrics(out, exact)["rel_l1"]
     assert not failures, failures
     assert errors[True] < errors[False] / 2.5, errors
 
 
 def test_channel_balancing_packed(ai8, monkeypatch):
-    """Packed sequences balance each sequence's channels by its own ranges (one without keys, one without
-    queries among them): the varlen op equals the dense op run on each sequence alone."""
+    """Packed sequences balance each sequence's channels by its own ranges and choose Q smoothing by its own Q (one
+    without keys, one without queries among them; the first has a Q offset): the varlen op equals the dense op run
+    on each sequence alone."""
     select_kernel(monkeypatch, "auto")
     lengths_q, lengths_k = [300, 0, 129, 64], [500, 70, 0, 64]
-    q = torch.randn(sum(lengths_q), 4, 128, device="cuda").half()
+    q = torch.randn(sum(lengths_q), 4, 128, device="cuda")
+    q[: lengths_q[0]] += 5 * torch.randn(4, 128, device="cuda")
+    q = q.half()
     k = torch.cat([_outlier_keys(torch.randn(n, 2, 128, device="cuda"), magnitude=m)
                    for n, m in zip(lengths_k, (30, 10, 1, 20))]).half()
     v = torch.randn(sum(lengths_k), 2, 128, device="cuda").half()
@@ -362,6 +368,41 @@ def test_channel_balancing_packed(ai8, monkeypatch):
         alone = ai8.int8_attention_forward(q[None, rows_q], k[None, rows_k], v[None, rows_k], tensor_layout="NHD")[0]
         failures += reference_failures(out[rows_q], alone, v[rows_k], f"sequence {b}")
     assert not failures, failures
+
+
+# Q smoothing at every head dim, with GQA and the causal mask, in launches where some heads are smoothed and others
+# are not: the even heads get a shared offset of 5 randn(D) (chosen), the odd ones none (left alone).
+SMOOTH_CASES = [(64, 4, 2, True), (80, 2, 1, False), (96, 4, 4, True), (128, 6, 2, False), (256, 2, 2, True)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("head_dim, heads_q, heads_kv, causal", SMOOTH_CASES)
+def test_query_smoothing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, causal):
+    """On Q offsets the kernel matches the reference of its scheme, LSE included, with smoothing on and off; in the
+    heads the reference chooses, smoothing cuts the error against float64 2.5x or more (the reference: 3.6-9.0x, 3
+    draws of each case), and the other heads' outputs and LSE are bit for bit those without it."""
+    select_kernel(monkeypatch, kernel)
+    offset = 5 * torch.randn(2, heads_q, 1, head_dim, device="cuda")
+    offset[:, 1::2] = 0
+    q = (torch.randn(2, heads_q, 300, head_dim, device="cuda") + offset).half()
+    k = torch.randn(2, heads_kv, 700, head_dim, device="cuda").half()
+    v = torch.randn(2, heads_kv, 700, head_dim, device="cuda").half()
+    chosen = ai8.reference.query_smoothing_heads(q, ai8.reference.key_center(q))
+    assert chosen[:, 0::2].all() and not chosen[:, 1::2].any(), chosen
+    exact = ai8.reference.attention_float64(q, k, v, is_causal=causal)
+    failures, results = [], {}
+    for smooth in (True, False):
+        kwargs = dict(is_causal=causal, return_lse=True, smooth_q=smooth)
+        out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
+        ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
+        what = f"D{head_dim} H{heads_q}/{heads_kv} smooth_q={smooth}"
+        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_ref_atol(q.dtype), what)
+        results[smooth] = out, lse
+    assert not failures, failures
+    (on, on_lse), (off, off_lse) = results[True], results[False]
+    assert torch.equal(on[:, 1::2], off[:, 1::2]) and torch.equal(on_lse[:, 1::2], off_lse[:, 1::2])
+    errors = {s: metrics(results[s][0][:, 0::2], exact[:, 0::2])["rel_l1"] for s in results}
+    assert errors[True] < errors[False] / 2.5, errors
 
 
 @pytest.mark.parametrize("splits", [2, 3, 4])

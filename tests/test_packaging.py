@@ -28,16 +28,17 @@ REPO_ID = BUILD_TOML["general"]["hub"]["repo-id"]
 # The op schemas of docs/DESIGN.md, without the namespace.
 SCHEMAS = {
     "int8_attention_forward": "int8_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal=False, "
-    'float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True, bool balance_channels=True) -> Tensor',
+    'float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True, bool balance_channels=True, bool smooth_q=True) '
+    "-> Tensor",
     "int8_attention_forward_with_lse": "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, "
     'bool is_causal=False, float? sm_scale=None, str tensor_layout="HND", bool smooth_k=True, '
-    "bool balance_channels=True) -> (Tensor, Tensor)",
+    "bool balance_channels=True, bool smooth_q=True) -> (Tensor, Tensor)",
     "int8_attention_varlen_forward": "int8_attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, "
-    "bool smooth_k=True, bool balance_channels=True) -> Tensor",
+    "bool smooth_k=True, bool balance_channels=True, bool smooth_q=True) -> Tensor",
     "int8_attention_varlen_forward_with_lse": "int8_attention_varlen_forward_with_lse(Tensor q, Tensor k, Tensor v, "
     "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal=False, "
-    "float? sm_scale=None, bool smooth_k=True, bool balance_channels=True) -> (Tensor, Tensor)",
+    "float? sm_scale=None, bool smooth_k=True, bool balance_channels=True, bool smooth_q=True) -> (Tensor, Tensor)",
     "quantize_int8": 'quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout="HND", '
     "int tokens_per_scale=1) -> (Tensor, Tensor)",
     "key_center": 'key_center(Tensor k, str tensor_layout="HND") -> Tensor',

@@ -309,7 +309,7 @@ def test_remedies_on_hard_inputs(ai8, kind, pv_precision):
     q, k, v = activation_inputs(k_outliers=30 if "k_outliers" in kind else 0, q_offset=5 if "q_offset" in kind else 0)
     exact = ai8.reference.attention_float64(q, k, v)
     run = ai8.reference.int8_attention_reference
-    before = metrics(run(q, k, v, pv_precision=pv_precision, balance_channels=False), exact)
+    before = metrics(run(q, k, v, pv_precision=pv_precision, smooth_q=False, balance_channels=False), exact)
     out = run(q, k, v, pv_precision=pv_precision, smooth_q=True, balance_channels=True)
     after = metrics(out, exact)
     if before["rel_l1"] > REL_L1_MAX / 2:  # the remedies must cut a hard draw's error
@@ -352,8 +352,27 @@ def test_q_smoothing_logits_are_exact(ai8):
         err = (logits.double() - exact).abs()
         assert (err <= bound).all(), (err / bound).max()
         assert (err / bound).mean() < 0.2  # the bound is a worst case; typical errors are random-walk sized
-    unsmoothed, _ = reference.int8_logits(q, k, balance_channels=False)
+    unsmoothed, _ = reference.int8_logits(q, k, smooth_q=False, balance_channels=False)
     assert ((unsmoothed.double() - exact).abs() > bound).float().mean() > 0.5
+
+
+def test_query_smoothing_heads(ai8):
+    """Q smoothing's per-head choice: a head whose centre's largest channel exceeds a quarter of Q's largest channel
+    range about it is smoothed, one below that is not, and none is with fewer than 128 rows or a NaN in its sample."""
+    reference = ai8.reference
+    q = torch.rand(2, 4, 300, 64) * 2 - 1  # ranges about the centre close to 1
+    q[:, 0, :, 3] += 0.5
+    q[:, 1, :, 3] += 0.1
+    q[:, 2] += 0.6
+    q[1, 2, reference.center_sample(300)[7], 5] = math.nan
+    chosen = reference.query_smoothing_heads(q, reference.key_center(q))
+    assert chosen.dtype == torch.bool and chosen.shape == (2, 4)
+    assert chosen.tolist() == [[True, False, True, False], [True, False, False, False]]
+    assert not reference.query_smoothing_heads(q[:, :, :127], reference.key_center(q[:, :, :127])).any()
+    # Unchosen heads quantize and attend exactly as without Q smoothing.
+    k, v = torch.randn(2, 2, 200, 64).half(), torch.randn(2, 2, 200, 64).half()
+    on, off = (reference.int8_attention_reference(q.half(), k, v, smooth_q=flag) for flag in (True, False))
+    assert torch.equal(on[:, 1], off[:, 1]) and torch.equal(on[:, 3], off[:, 3]) and not torch.equal(on[:, 0], off[:, 0])
 
 
 def test_channel_balancing(ai8):

@@ -177,21 +177,31 @@ struct QuantizedRows {
   at::Tensor values;   // int8 [B, H, seqlen_pad, D] (sm90 layout: D -> sm90_row_bytes(D))
   at::Tensor scales;   // fp32 [B, H, ceil_div(seqlen_pad, tokens_per_scale)]
   at::Tensor row_dot;  // fp32 [B, H, seqlen_pad] (x . dot_vec), when a dot_vec was given
+  at::Tensor key_bias, key_bias_max;  // K under Q smoothing: fp32 [B, Hq, seqlen_pad] and [B, Hq, seqlen_pad / 64]
+};
+
+// Q smoothing's per-head choice and shifts (KeyCenterParams), from K's centre pass.
+struct QueryShift {
+  at::Tensor shift;     // fp32 [B, Hq, D]
+  at::Tensor smoothed;  // int32 [B, Hq]
 };
 
 // Quantizes x with one scale per tokens_per_scale tokens (1 or kKeyScaleTokens), rows padded to a
-// multiple of row_multiple (per sequence, for packed sequences).
+// multiple of row_multiple (per sequence, for packed sequences). K with a query_shift also gets Q smoothing's key
+// biases (bias_scale = sm_scale * log2(e)).
 QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, double out_scale,
                        int64_t tokens_per_scale, int64_t row_multiple, cudaStream_t stream,
                        const std::optional<at::Tensor>& dot_vec = {}, bool sm90_layout = false,
-                       bool programmatic_launch = false, const std::optional<at::Tensor>& channel_scale = {}) {
+                       bool programmatic_launch = false, const std::optional<at::Tensor>& channel_scale = {},
+                       const std::optional<QueryShift>& query_shift = {}, double bias_scale = 0.0) {
   const Shape& s = x.shape;
   const int64_t seqlen_pad = round_up(s.seqlen, row_multiple);
   const auto f32 = x.tensor.options().dtype(at::kFloat);
   const int64_t row_bytes = sm90_layout ? ai8::sm90_row_bytes(static_cast<int>(s.head_dim)) : s.head_dim;
   QuantizedRows out{at::empty({s.batch, s.heads, seqlen_pad, row_bytes}, x.tensor.options().dtype(at::kChar)),
                     at::empty({s.batch, s.heads, ai8::ceil_div(seqlen_pad, tokens_per_scale)}, f32),
-                    dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor()};
+                    dot_vec.has_value() ? at::empty({s.batch, s.heads, seqlen_pad}, f32) : at::Tensor(),
+                    at::Tensor(), at::Tensor()};
   ai8::QuantizeParams params{};
   params.head_group = 1;
   for (const auto& vec : {dot_vec, channel_scale})  // both [B, Hkv, D]: heads per row of them
@@ -201,6 +211,17 @@ QuantizedRows quantize(const Operand& x, const std::optional<at::Tensor>& mean, 
     params.row_dot = out.row_dot.data_ptr<float>();
   }
   params.channel_scale = channel_scale.has_value() ? channel_scale->data_ptr<float>() : nullptr;
+  if (query_shift.has_value()) {
+    const int64_t heads_q = query_shift->smoothed.size(1);
+    out.key_bias = at::empty({s.batch, heads_q, seqlen_pad}, f32);
+    out.key_bias_max = at::empty({s.batch, heads_q, seqlen_pad / ai8::kKeyScaleTokens}, f32);
+    params.query_shift = query_shift->shift.data_ptr<float>();
+    params.query_smoothed = query_shift->smoothed.data_ptr<int>();
+    params.key_bias = out.key_bias.data_ptr<float>();
+    params.key_bias_max = out.key_bias_max.data_ptr<float>();
+    params.query_group = static_cast<int>(heads_q / s.heads);
+    params.bias_scale = static_cast<float>(bias_scale);
+  }
   params.x = x.tensor.data_ptr();
   params.x_view = x.view;
   params.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;
@@ -255,22 +276,37 @@ at::Tensor compute_key_center(const Operand& x, cudaStream_t stream) {
   return out.center;
 }
 
-// Channel balancing (KeyCenterParams): K's centre and the factors s and 1 / s, [B, Hkv, D] fp32, from one centre pass
-// over Q and one over K, K's launched as the dependent of Q's on sm_90.
-struct ChannelBalance {
-  at::Tensor k_center, factors, inverse;
+// What Q's centre pass gives the K side (KeyCenterParams): K's centre, channel balancing's factors s and 1 / s
+// ([B, Hkv, D] fp32), and Q smoothing's choice and shifts; from one centre pass over Q and one over K, K's launched as
+// the dependent of Q's on sm_90.
+struct QueryFactors {
+  at::Tensor k_center;
+  std::optional<at::Tensor> balance, balance_inverse;
+  std::optional<QueryShift> query_shift;
 };
 
-ChannelBalance balance_channels_of(const Operand& q, const Operand& k, bool programmatic_launch, cudaStream_t stream) {
+QueryFactors query_factors_of(const Operand& q, const Operand& k, bool balance, bool smooth_q, bool programmatic_launch,
+                              cudaStream_t stream) {
   const CenterPass q_pass = empty_center_pass(q, /*with_range=*/true);
-  const CenterPass k_pass = empty_center_pass(k, /*with_range=*/true);
+  const CenterPass k_pass = empty_center_pass(k, /*with_range=*/balance);
   check_cuda(ai8::launch_key_center(center_params(q, q_pass), q.packed, stream), "launching key_center on q");
-  ChannelBalance out{k_pass.center, at::empty_like(k_pass.center), at::empty_like(k_pass.center)};
+  QueryFactors out{k_pass.center, {}, {}, {}};
   ai8::KeyCenterParams params = center_params(k, k_pass);
   params.query_range = q_pass.channel_range.data_ptr<float>();
   params.query_group = static_cast<int>(q.shape.heads / k.shape.heads);
-  params.balance = out.factors.data_ptr<float>();
-  params.balance_inverse = out.inverse.data_ptr<float>();
+  if (balance) {
+    out.balance = at::empty_like(k_pass.center);
+    out.balance_inverse = at::empty_like(k_pass.center);
+    params.balance = out.balance->data_ptr<float>();
+    params.balance_inverse = out.balance_inverse->data_ptr<float>();
+  }
+  if (smooth_q) {
+    out.query_shift = QueryShift{at::empty_like(q_pass.center),
+                                 at::empty({q.shape.batch, q.shape.heads}, q_pass.center.options().dtype(at::kInt))};
+    params.query_center = q_pass.center.data_ptr<float>();
+    params.query_shift = out.query_shift->shift.data_ptr<float>();
+    params.query_smoothed = out.query_shift->smoothed.data_ptr<int>();
+  }
   params.programmatic_launch = programmatic_launch;
   check_cuda(ai8::launch_key_center(params, k.packed, stream), "launching key_center on k");
   return out;
@@ -301,7 +337,7 @@ double check_attention_operands(const at::Tensor& q, const at::Tensor& k, const 
 // operands are checked, and out holds at least one element.
 void run_attention(const Operand& q, const Operand& k, const Operand& v, const at::Tensor& out,
                    const ai8::RowMajorView& out_view, const at::Tensor& lse, bool is_causal, double scale,
-                   bool smooth_k, bool balance_channels, Capability cc) {
+                   bool smooth_k, bool balance_channels, bool smooth_q, Capability cc) {
   const bool with_lse = lse.defined();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ai8::AttentionKernel kernel = attention_kernel_for(cc);
@@ -312,14 +348,16 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
   const Operand v_rows = readable_in_place(v, sm90);
   const Operand q_rows = sm90 ? readable_in_place(q, sm90) : q;
   // K smoothing: one centre is shared by every key, so subtracting it shifts each logit row by a
-  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range. Channel balancing's
-  // pre-pass computes that centre too.
+  // constant (softmax-invariant) while taking the channel offsets out of the INT8 range. The pre-pass of channel
+  // balancing and Q smoothing computes that centre too.
   std::optional<at::Tensor> k_center, q_balance, k_balance;
-  if (balance_channels && q.shape.seqlen > 0 && k.shape.seqlen > 0) {
-    ChannelBalance balance = balance_channels_of(q, k, /*programmatic_launch=*/sm90, stream);
-    if (smooth_k) k_center = balance.k_center;
-    q_balance = balance.factors;
-    k_balance = balance.inverse;
+  std::optional<QueryShift> query_shift;
+  if ((balance_channels || smooth_q) && q.shape.seqlen > 0 && k.shape.seqlen > 0) {
+    QueryFactors factors = query_factors_of(q, k, balance_channels, smooth_q, /*programmatic_launch=*/sm90, stream);
+    if (smooth_k) k_center = factors.k_center;
+    q_balance = factors.balance;
+    k_balance = factors.balance_inverse;
+    query_shift = factors.query_shift;
   } else if (smooth_k && k.shape.seqlen > 0) {
     k_center = compute_key_center(k, stream);
   }
@@ -328,9 +366,10 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
   // kernel's epilogue does, from the inputs AttentionParams names).
   const bool lse_shift = with_lse && k_center.has_value();
   const double q_out_scale = scale * kLog2e;
-  const QuantizedRows k_q = quantize(k, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt,
-                                     /*sm90_layout=*/sm90, /*programmatic_launch=*/sm90 && (k_center || k_balance),
-                                     k_balance);
+  const QuantizedRows k_q =
+      quantize(k, k_center, 1.0, ai8::kKeyScaleTokens, ai8::kKeyPad, stream, std::nullopt, /*sm90_layout=*/sm90,
+               /*programmatic_launch=*/sm90 && (k_center || k_balance || query_shift), k_balance, query_shift,
+               q_out_scale);
 
   ai8::AttentionParams params{};
   QuantizedRows q_q;
@@ -340,13 +379,20 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
     params.q_out_scale = static_cast<float>(q_out_scale);
     params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
     params.q_balance = q_balance.has_value() ? q_balance->data_ptr<float>() : nullptr;
-  } else {
-    q_q = quantize(q, std::nullopt, q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt,
+    params.query_shift = query_shift.has_value() ? query_shift->shift.data_ptr<float>() : nullptr;
+    params.key_bias_max = query_shift.has_value() ? k_q.key_bias_max.data_ptr<float>() : nullptr;
+  } else {  // Q's shift is the quantizer's mean
+    q_q = quantize(q, query_shift.has_value() ? std::optional<at::Tensor>(query_shift->shift) : std::nullopt,
+                   q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt,
                    /*sm90_layout=*/false, /*programmatic_launch=*/false, q_balance);
     params.q = q_q.values.data_ptr<int8_t>();
     params.q_scale = q_q.scales.data_ptr<float>();
     params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
     params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
+  }
+  if (query_shift.has_value()) {
+    params.query_smoothed = query_shift->smoothed.data_ptr<int>();
+    params.key_bias = k_q.key_bias.data_ptr<float>();
   }
   params.sm_scale = static_cast<float>(scale);
   params.k = k_q.values.data_ptr<int8_t>();
@@ -389,7 +435,7 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      bool is_causal, std::optional<double> sm_scale,
                                                      c10::string_view tensor_layout, bool smooth_k,
-                                                     bool balance_channels, bool with_lse) {
+                                                     bool balance_channels, bool smooth_q, bool with_lse) {
   check_input(q, "q");
   check_input(k, "k");
   check_input(v, "v");
@@ -404,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
   at::Tensor lse = with_lse ? at::empty({sq.batch, sq.heads, sq.seqlen}, q.options().dtype(at::kFloat)) : at::Tensor();
   if (out.numel() == 0) return {out, lse};
   run_attention(dense_operand(q, layout), dense_operand(k, layout), dense_operand(v, layout), out,
-                view_of(out, layout), lse, is_causal, scale, smooth_k, balance_channels, cc);
+                view_of(out, layout), lse, is_causal, scale, smooth_k, balance_channels, smooth_q, cc);
   return {out, lse};
 }
 
@@ -431,7 +477,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q,
                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                             int64_t max_seqlen_k, bool is_causal,
                                                             std::optional<double> sm_scale, bool smooth_k,
-                                                            bool balance_channels, bool with_lse) {
+                                                            bool balance_channels, bool smooth_q, bool with_lse) {
   check_packed_input(q, "q");
   check_packed_input(k, "k");
   check_packed_input(v, "v");
@@ -460,7 +506,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(const at::Tensor& q,
     return {out, lse};
   }
   run_attention(q_op, k_op, v_op, out, {0, out.stride(1), out.stride(0)}, lse, is_causal, scale, smooth_k,
-                balance_channels, cc);
+                balance_channels, smooth_q, cc);
   return {out, lse};
 }
 
@@ -473,33 +519,36 @@ at::Tensor lse_like(const at::Tensor& q, Layout layout) {
 
 at::Tensor int8_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                                   std::optional<double> sm_scale, c10::string_view tensor_layout, bool smooth_k,
-                                  bool balance_channels) {
+                                  bool balance_channels, bool smooth_q) {
   return std::get<0>(
-      attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, /*with_lse=*/false));
+      attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, smooth_q,
+                        /*with_lse=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                                    const at::Tensor& v, bool is_causal,
                                                                    std::optional<double> sm_scale,
                                                                    c10::string_view tensor_layout, bool smooth_k,
-                                                                   bool balance_channels) {
-  return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, /*with_lse=*/true);
+                                                                   bool balance_channels, bool smooth_q) {
+  return attention_forward(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, smooth_q,
+                           /*with_lse=*/true);
 }
 
 at::Tensor int8_attention_varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                          int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-                                         std::optional<double> sm_scale, bool smooth_k, bool balance_channels) {
+                                         std::optional<double> sm_scale, bool smooth_k, bool balance_channels, bool smooth_q) {
   return std::get<0>(attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              is_causal, sm_scale, smooth_k, balance_channels, /*with_lse=*/false));
+                                              is_causal, sm_scale, smooth_k, balance_channels, smooth_q,
+                                              /*with_lse=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    std::optional<double> sm_scale, bool smooth_k, bool balance_channels) {
+    std::optional<double> sm_scale, bool smooth_k, bool balance_channels, bool smooth_q) {
   return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale,
-                                  smooth_k, balance_channels, /*with_lse=*/true);
+                                  smooth_k, balance_channels, smooth_q, /*with_lse=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x, const std::optional<at::Tensor>& mean,
@@ -537,19 +586,20 @@ at::Tensor key_center(const at::Tensor& k, c10::string_view tensor_layout) {
 }
 
 at::Tensor int8_attention_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, bool,
-                                       std::optional<double>, c10::string_view, bool, bool) {
+                                       std::optional<double>, c10::string_view, bool, bool, bool) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_attention_forward_with_lse_meta(const at::Tensor& q, const at::Tensor&,
                                                                         const at::Tensor&, bool, std::optional<double>,
-                                                                        c10::string_view tensor_layout, bool, bool) {
+                                                                        c10::string_view tensor_layout, bool, bool,
+                                                                        bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous), lse_like(q, parse_layout(tensor_layout))};
 }
 
 at::Tensor int8_attention_varlen_forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                                              std::optional<double>, bool, bool) {
+                                              std::optional<double>, bool, bool, bool) {
   return at::empty_like(q, at::MemoryFormat::Contiguous);
 }
 
@@ -557,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor> int8_attention_varlen_forward_with_lse_meta(c
                                                                                const at::Tensor&, const at::Tensor&,
                                                                                const at::Tensor&, int64_t, int64_t,
                                                                                bool, std::optional<double>, bool,
-                                                                               bool) {
+                                                                               bool, bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_symint({q.sym_size(1), q.sym_size(0)}, q.options().dtype(at::kFloat))};
 }
@@ -580,18 +630,18 @@ at::Tensor key_center_meta(const at::Tensor& k, c10::string_view tensor_layout) 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "int8_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
-      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True) -> Tensor");
+      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True, bool smooth_q=True) -> Tensor");
   ops.def(
       "int8_attention_forward_with_lse(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? sm_scale=None, "
-      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True) -> (Tensor, Tensor)");
+      "str tensor_layout=\"HND\", bool smooth_k=True, bool balance_channels=True, bool smooth_q=True) -> (Tensor, Tensor)");
   ops.def(
       "int8_attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True, "
-      "bool balance_channels=True) -> Tensor");
+      "bool balance_channels=True, bool smooth_q=True) -> Tensor");
   ops.def(
       "int8_attention_varlen_forward_with_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal=False, float? sm_scale=None, bool smooth_k=True, "
-      "bool balance_channels=True) "
+      "bool balance_channels=True, bool smooth_q=True) "
       "-> (Tensor, Tensor)");
   ops.def(
       "quantize_int8(Tensor x, Tensor? mean, float out_scale=1.0, str tensor_layout=\"HND\", int tokens_per_scale=1) "

@@ -17,7 +17,7 @@ def _last_dim_contiguous(t):
 
 
 def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
-                           return_lse=False, balance_channels=True):
+                           return_lse=False, balance_channels=True, smooth_q=True):
     """Scaled-dot-product attention with INT8 Q.K^T, ``softmax(q k^T * sm_scale) v``.
 
     Args:
@@ -38,6 +38,11 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
             Q (each about its sampled centre) differ 4x or more, scale it by ``s`` in Q and ``1 / s`` in K, so that
             an outlier channel of K no longer owns K's INT8 range; ``q . k`` is unchanged. Channels within that
             factor are left alone, so ordinary inputs quantize as without it.
+        smooth_q: Q smoothing (``reference.query_smoothing_heads``): in each query head whose Q has an offset shared
+            by its rows (its centre's largest channel above a quarter of Q's largest channel range about it), quantize
+            ``q - mu`` and add back the exact fp32 bias ``mu . k_j`` to every logit of key j, so that the offset no
+            longer owns Q's INT8 range; ``q . k`` is unchanged. Other heads run as without it, at no cost in the key
+            loop. Needs at least 128 query rows.
 
     Returns:
         ``out`` (dtype of q, dense in q's layout), or ``(out, lse)`` if ``return_lse``.
@@ -46,10 +51,10 @@ def int8_attention_forward(q, k, v, is_causal=False, sm_scale=None, tensor_layou
     tensor whose last dimension is strided is first copied to a contiguous tensor (one extra read
     and write of it), as is a V whose rows are not 16-byte aligned. No autograd support.
     """
-    check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels)
+    check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, smooth_q)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     op = ops.int8_attention_forward_with_lse if return_lse else ops.int8_attention_forward
-    return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels)
+    return op(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels, smooth_q)
 
 
 def int8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,

@@ -32,13 +32,15 @@ def _tensor_error(name, t, what="a torch.Tensor"):
     return None
 
 
-def attention_input_error(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels=True):
+def attention_input_error(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels=True,
+                          smooth_q=True):
     """The first rule of the attention op that the arguments break, devices aside, as an exception; else None."""
     names = ("q", "k", "v")
     for name, t in zip(names, (q, k, v)):
         if error := _tensor_error(name, t):
             return error
-    for name, flag in (("is_causal", is_causal), ("smooth_k", smooth_k), ("balance_channels", balance_channels)):
+    for name, flag in (("is_causal", is_causal), ("smooth_k", smooth_k), ("balance_channels", balance_channels),
+                       ("smooth_q", smooth_q)):
         if not isinstance(flag, bool):
             return TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     for name, t in zip(names, (q, k, v)):
@@ -95,9 +97,11 @@ def device_error(tensors, names):
     return None
 
 
-def check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels=True):
+def check_attention_inputs(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels=True,
+                           smooth_q=True):
     """Raises the error of the first rule the attention op's arguments break."""
-    error = attention_input_error(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels) or \
+    error = attention_input_error(q, k, v, is_causal, sm_scale, tensor_layout, smooth_k, balance_channels,
+                                  smooth_q) or \
         device_error((q, k, v), ("q", "k", "v"))
     if error:
         raise error

@@ -32,14 +32,17 @@ The scheme, per (batch, head), with Q [Nq, D], K and V [Nkv, D]:
    logits. Smoothing leaves the softmax unchanged but shifts its normalizer, so the shift is added back
    (only with ``smooth_k``).
 
-Options (off by default; ``smooth_k`` and ``balance_channels`` above are on, as in the kernels):
+Q smoothing (``smooth_q``, issue 46), in step 1: per query head whose centre ``mu = key_center(Q)`` (the same
+sampled, trimmed mean as K's) is an offset worth removing, ``query_smoothing_heads``: ``max_d |mu_d|`` above
+``QUERY_SHIFT_MIN_RATIO`` times Q's largest channel range about ``mu`` (over the sampled rows; none below
+CENTER_SAMPLE_KEYS rows). Such a head quantizes ``Q' = Q - mu``, and every logit of its key j gains
+``b_j = (mu . k'_j) * sm_scale * log2(e)`` (``key_bias``), in fp32 from the smoothed, unquantized K' the K quantizer
+reads (before balancing). ``q . k' = (q - mu) . k' + mu . k'``, so the logits stay exact up to the quantization of
+``Q - mu`` and of K'; a shared Q offset no longer eats Q's INT8 range. The bias enters step 4 as the addend of the
+dequantizing FMA, ``S2 = fma(S, c, b_j)``. Other heads are left as they are: the bias costs the kernels time.
 
-- ``smooth_q`` (issue 46): Q smoothing with an exact bias. ``Q' = Q - mu`` with Q's centre ``mu = key_center(Q)``
-  (the same sampled, trimmed mean as K's, per query head) is what gets quantized, and every logit of key j gains
-  ``b_j = mu . k'_j * sm_scale * log2(e)`` (``key_bias``), computed in fp32 from the smoothed, unquantized K' the
-  K quantizer reads (before balancing). ``q . k' = (q - mu) . k' + mu . k'``, so the logits stay exact up to the
-  quantization of ``Q - mu`` and of K'; a shared Q offset no longer eats Q's INT8 range. The bias enters step 4 as
-  the addend of the dequantizing FMA, ``S2 = fma(S, c, b_j)``, and tile maxima are taken on these fp32 logits.
+Option (off by default):
+
 - ``pv_precision="int8"`` (issue 43), replacing step 5's fp16 P.V: V is quantized to INT8 with one scale per
   (64-key block, channel) (``quantize_v``; no centre is subtracted: it changed no measured class's error). Per
   query row and 64-key tile t, ``m_t = max`` of the tile's logits, ``P_u8 = round(255 * 2^(S2 - m_t))`` (u8, the
@@ -61,7 +64,8 @@ import math
 import torch
 
 __all__ = ["KEY_TOKENS_PER_SCALE", "CENTER_SAMPLE_KEYS", "PV_PRECISIONS", "P_U8_MAX", "BALANCE_MIN_FACTOR",
-           "center_sample", "key_center", "quantize_int8", "logit_scale", "balance_factors", "key_bias", "int8_logits",
+           "QUERY_SHIFT_MIN_RATIO", "center_sample", "key_center", "quantize_int8", "logit_scale", "balance_factors",
+           "query_smoothing_heads", "key_bias", "int8_logits",
            "quantize_v", "int8_pv", "int8_pv_online", "int8_attention_reference", "attention_float64"]
 
 LOG2E = math.log2(math.e)
@@ -71,6 +75,7 @@ CENTER_TRIM_DIVISOR = 32  # kCenterTrimDivisor
 PV_PRECISIONS = ("fp16", "int8")
 P_U8_MAX = 255  # the INT8 P.V stores P in (0, 1] as round(255 P): unsigned, the tile's max at 255
 BALANCE_MIN_FACTOR = 2.0  # kBalanceMinFactor in attention_int8.h: a channel is left alone unless its ranges differ 4x
+QUERY_SHIFT_MIN_RATIO = 0.25  # kQueryShiftMinRatio: Q smoothing where max |mu| exceeds this times Q's largest range
 
 # Bound on the size of one [B, H, rows, Nkv] score block, so long sequences run in row chunks.
 _MAX_SCORE_ELEMENTS = 1 << 25
@@ -206,11 +211,24 @@ def balance_factors(q, k):
     return torch.where(skewed, s, torch.ones_like(s))
 
 
-def key_bias(q_center, k, sm_scale):
-    """Q smoothing's exact per-key bias in base-2 logit units, fp32 [B, Hq, Nkv]: ``(mu * sm_scale * log2 e) . k_j``
-    for Q's centre ``mu`` [B, Hq, D] and the smoothed K, fp32 [B, Hq, Nkv, D] (K/V heads repeated to the query
+def query_smoothing_heads(q, q_center):
+    """Which query heads Q smoothing takes, bool [B, Hq], for q [B, Hq, Nq, D] and its centre (key_center) [B, Hq, D]:
+    ``max_d |mu_d| > QUERY_SHIFT_MIN_RATIO * max_d range_d`` with Q's channel ranges about the centre over the rows
+    center_sample picks, as the kernels decide (``query_smoothing_pays``). None with fewer than CENTER_SAMPLE_KEYS
+    rows (the kernels have no ranges there), and none where a value is NaN."""
+    if q.shape[-2] < CENTER_SAMPLE_KEYS:
+        return torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+    sample = q[..., center_sample(q.shape[-2], q.device), :].float()
+    spread = (sample - q_center.unsqueeze(-2)).abs().amax(dim=-2).amax(dim=-1)
+    offset = q_center.abs().amax(dim=-1)
+    return (spread > 0) & (offset > QUERY_SHIFT_MIN_RATIO * spread)
+
+
+def key_bias(q_shift, k, sm_scale):
+    """Q smoothing's exact per-key bias in base-2 logit units, fp32 [B, Hq, Nkv]: ``(mu . k_j) * sm_scale * log2 e``
+    for the heads' shifts ``mu`` [B, Hq, D] and the smoothed K, fp32 [B, Hq, Nkv, D] (K/V heads repeated to the query
     heads), before balancing and rounding."""
-    return (k @ (q_center * (sm_scale * LOG2E)).unsqueeze(-1)).squeeze(-1)
+    return (k @ q_shift.unsqueeze(-1)).squeeze(-1) * (sm_scale * LOG2E)
 
 
 def _centered(x, center):
@@ -223,11 +241,15 @@ def _quantized_operands(q, k, group, sm_scale, smooth_k, smooth_q, balance_chann
     smooth_q)."""
     seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
     balance = balance_channels and seqlen_q > 0 and seqlen_kv > 0
+    smooth_q = smooth_q and seqlen_q > 0 and seqlen_kv > 0
     k_center = key_center(k) if (smooth_k or balance) and seqlen_kv > 0 else None
-    q_center = key_center(q) if (smooth_q or balance) and seqlen_q > 0 else None
+    q_center = key_center(q) if smooth_q or balance else None
     s = balance_factors(_centered(q, q_center), _centered(k, k_center)) if balance else None
-    q, k = _centered(q, q_center if smooth_q else None), _centered(k, k_center if smooth_k else None)
-    bias = None if not smooth_q or q_center is None else key_bias(q_center, _repeat_heads(k, group), sm_scale)
+    # Unchosen heads get a shift and biases of zeros, which change no bit of their logits (and no branch depends on
+    # the data, which torch.compile could not trace).
+    q_shift = torch.where(query_smoothing_heads(q, q_center).unsqueeze(-1), q_center, 0.0) if smooth_q else None
+    q, k = _centered(q, q_shift), _centered(k, k_center if smooth_k else None)
+    bias = None if q_shift is None else key_bias(q_shift, _repeat_heads(k, group), sm_scale)
     k_center = k_center if smooth_k else None
     if s is not None:
         q, k = q * _repeat_heads(s, group).unsqueeze(-2), k * s.reciprocal().unsqueeze(-2)
@@ -251,7 +273,7 @@ def _logits(q_q, q_scale, k_q, k_scale, bias=None):
     return torch.addcmul(bias.double().unsqueeze(-2), dots.double(), c.double()).float(), c
 
 
-def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True, smooth_q=False, balance_channels=True):
+def int8_logits(q, k, sm_scale=None, tensor_layout="HND", smooth_k=True, smooth_q=True, balance_channels=True):
     """Steps 1 to 3 of the scheme (for tests and inspection): ``(logits, c)``, both fp32 [B, Hq, Nq, Nkv] (HND):
     the base-2 logits before any mask, and the scale ``c = logit_scale(q_scale[i], k_scale[j // 64])`` each
     was dequantized with, one integer step of its INT8 dot product."""
@@ -333,10 +355,11 @@ def _pv_fp16(s2, v, dtype):
 
 
 def int8_attention_reference(q, k, v, is_causal=False, sm_scale=None, tensor_layout="HND", smooth_k=True,
-                             return_lse=False, pv_precision="fp16", smooth_q=False, balance_channels=True):
+                             return_lse=False, pv_precision="fp16", smooth_q=True, balance_channels=True):
     """The INT8 scheme of the module docstring, in PyTorch (any device). Same signature and outputs as
     ``attention_int8.int8_attention_forward``: ``out`` (dtype and layout of q) or ``(out, lse)``. ``pv_precision``:
-    "fp16" (P.V in the input dtype, step 5) or "int8"; ``smooth_q``: the option above; ``balance_channels``: step 2."""
+    "fp16" (P.V in the input dtype, step 5) or "int8"; ``smooth_q``: Q smoothing (step 1); ``balance_channels``:
+    step 2."""
     if pv_precision not in PV_PRECISIONS:
         raise ValueError(f'pv_precision must be "fp16" or "int8", got {pv_precision!r}')
     q, k, v, group, sm_scale = _prepare(q, k, v, sm_scale, tensor_layout)
