@@ -318,6 +318,20 @@ def _outlier_keys(k, magnitude=30.0, channels=4):
     return k
 
 
+def _remedy_on_and_off(ai8, q, k, v, causal, option, lse_atol):
+    """The kernel against the reference of its scheme with one of issue 46's options on and off, LSE included:
+    (failures, {True: (out, lse), False: (out, lse)})."""
+    failures, results = [], {}
+    for flag in (True, False):
+        kwargs = dict(is_causal=causal, return_lse=True, **{option: flag})
+        out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
+        ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
+        what = f"D{q.shape[-1]} H{q.shape[1]}/{k.shape[1]} {option}={flag}"
+        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_atol, what)
+        results[flag] = out, lse
+    return failures, results
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("head_dim, heads_q, heads_kv, causal", BALANCE_CASES)
 def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, causal):
@@ -331,16 +345,9 @@ def test_channel_balancing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv
     k = _outlier_keys(torch.randn(2, heads_kv, 700, head_dim, device="cuda")).half()
     v = torch.randn(2, heads_kv, 700, head_dim, device="cuda").half()
     exact = ai8.reference.attention_float64(q, k, v, is_causal=causal)
-    failures, errors = [], {}
-    for balance in (True, False):
-        kwargs = dict(is_causal=causal, return_lse=True, balance_channels=balance)
-        out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
-        ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
-        what = f"D{head_dim} H{heads_q}/{heads_kv} balance={balance}"
-        lse_atol = lse_ref_atol(q.dtype) + 1e-3
-        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_atol, what)
-        errors[balance] = metrics(out, exact)["rel_l1"]
+    failures, results = _remedy_on_and_off(ai8, q, k, v, causal, "balance_channels", lse_ref_atol(q.dtype) + 1e-3)
     assert not failures, failures
+    errors = {flag: metrics(out, exact)["rel_l1"] for flag, (out, _) in results.items()}
     assert errors[True] < errors[False] / 2.5, errors
 
 
@@ -390,14 +397,7 @@ def test_query_smoothing(ai8, monkeypatch, kernel, head_dim, heads_q, heads_kv, 
     chosen = ai8.reference.query_smoothing_heads(q, ai8.reference.key_center(q))
     assert chosen[:, 0::2].all() and not chosen[:, 1::2].any(), chosen
     exact = ai8.reference.attention_float64(q, k, v, is_causal=causal)
-    failures, results = [], {}
-    for smooth in (True, False):
-        kwargs = dict(is_causal=causal, return_lse=True, smooth_q=smooth)
-        out, lse = ai8.int8_attention_forward(q, k, v, **kwargs)
-        ref, ref_lse = ai8.reference.int8_attention_reference(q, k, v, **kwargs)
-        what = f"D{head_dim} H{heads_q}/{heads_kv} smooth_q={smooth}"
-        failures += reference_failures(out, ref, v, what) + lse_failures(lse, ref_lse, lse_ref_atol(q.dtype), what)
-        results[smooth] = out, lse
+    failures, results = _remedy_on_and_off(ai8, q, k, v, causal, "smooth_q", lse_ref_atol(q.dtype))
     assert not failures, failures
     (on, on_lse), (off, off_lse) = results[True], results[False]
     assert torch.equal(on[:, 1::2], off[:, 1::2]) and torch.equal(on_lse[:, 1::2], off_lse[:, 1::2])
