@@ -46,6 +46,12 @@ __device__ __forceinline__ int unmasked_key_blocks(const AttentionParams& p, int
   return whole;
 }
 
+// Whether K's centre pass chose Q smoothing for query head batch_head = batch * heads_q + head (KeyCenterParams). Read
+// only after the kernel's wait for its predecessors.
+__device__ __forceinline__ bool head_is_smoothed(const AttentionParams& p, int64_t batch_head) {
+  return p.query_smoothed != nullptr && p.query_smoothed[batch_head] != 0;
+}
+
 // The online softmax in base 2 keeps a running max m per row; until the row has seen a key m is -inf, and the
 // exponents are then taken against 0, so that 2^(-inf - 0) = 0 rather than NaN.
 __device__ __forceinline__ float exponent_base(float m) { return m == -INFINITY ? 0.f : m; }

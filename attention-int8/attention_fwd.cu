@@ -111,8 +111,7 @@ __device__ __forceinline__ void attention_tile(const AttentionParams& p) {
   const float* k_scale_head = p.k_scale + bh_kv * (p.seqlen_kv_pad / kKeyScaleTokens);
   // Q smoothing, chosen per head (KeyCenterParams): the quantizer took Q's shift out of q_q, the logits get the key
   // biases back.
-  const float* key_bias =
-      p.query_smoothed != nullptr && p.query_smoothed[bh_q] ? p.key_bias + bh_q * p.seqlen_kv_pad : nullptr;
+  const float* key_bias = head_is_smoothed(p, bh_q) ? p.key_bias + bh_q * p.seqlen_kv_pad : nullptr;
   const Elem* v_head = static_cast<const Elem*>(p.v) + batch * p.v_view.batch_stride + head_kv * p.v_view.head_stride;
 
   // Keys this CTA must visit: all of them, or under the causal mask up to the last key its last row sees.

@@ -101,7 +101,7 @@ __device__ __forceinline__ void attention_work_tile(const AttentionParams& p, co
     sm90::release_registers<Traits::kProducerRegs>();
     if (tid == 0) {
       ptx::wait_for_predecessor();  // K, its scales and biases come from the quantizer
-      const bool smoothed = p.query_smoothed != nullptr && p.query_smoothed[bh_q];
+      const bool smoothed = head_is_smoothed(p, bh_q);
       produce_tiles<Traits>(smem, p.k + bh_kv * p.seqlen_kv_pad * Traits::kQKRowBytes,
                             smoothed ? p.key_bias + bh_q * p.seqlen_kv_pad : nullptr, v_map, v_key0, head_kv, v_batch,
                             n_begin, n_blocks);
@@ -112,7 +112,7 @@ __device__ __forceinline__ void attention_work_tile(const AttentionParams& p, co
 
   ptx::wait_for_predecessor();  // before k_center, K's scales and any global write (dispatch.cuh's launch())
   // Q smoothing is chosen per head (KeyCenterParams): one flag for the CTA, broadcast so that it is warp-uniform.
-  const bool smoothed = __shfl_sync(0xffffffffu, p.query_smoothed != nullptr && p.query_smoothed[bh_q], 0);
+  const bool smoothed = __shfl_sync(0xffffffffu, head_is_smoothed(p, bh_q), 0);
   // The Q tile lives in the consumer's O staging tiles, which the epilogue uses only after the last wgmma.
   char* q_tile = smem.o_tile(consumer * 4);
   const QRowScales q =

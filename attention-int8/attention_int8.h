@@ -270,7 +270,7 @@ struct KeyCenterParams {
 constexpr float kBalanceMinFactor = 2.f;  // reweighting channels already balanced, by sampling noise, costs accuracy
 
 // Q smoothing's rule (KeyCenterParams; reference.py: query_smoothing_heads): a Q centre offset of max |mu_d| against Q's
-// largest channel range about it. Below a quarter the measured gain in accuracy is under a tenth (docs/DESIGN.md,
+// largest channel range about it. Below a quarter the gain in accuracy does not pay for the bias (docs/DESIGN.md,
 // rationale); a head without ranges (fewer than kCenterSampleKeys rows: range 0) or with a NaN is never smoothed.
 constexpr float kQueryShiftMinRatio = 0.25f;
 __host__ __device__ constexpr bool query_smoothing_pays(float offset, float spread) {

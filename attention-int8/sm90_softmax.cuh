@@ -90,7 +90,7 @@ struct Sm90Softmax {
   // exponent. A masked tile can be all masked; before it, unmasked tiles have made every row max finite. kBiased:
   // Q smoothing adds a key bias to every logit, and t + bias_max (the max of the tile's biases) stands in for the
   // tile's max, an upper bound of its logits that keeps the max on the integers; P of the tile's largest logit is then
-  // 2^-(the bound's excess) rather than 1, well inside fp16's normal range for any excess the INT8 logits can make.
+  // 2^-(the bound's excess) rather than 1, which tighten_bound corrects where fp16 could not hold it.
   template <bool kMasked, bool kBiased>
   __device__ __forceinline__ TileExponent update_max(const int32_t (&s_int)[kSRegs], const float (&q_scale)[2],
                                                      float k_scale, float bias_max) {
