@@ -379,8 +379,6 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
     params.q_out_scale = static_cast<float>(q_out_scale);
     params.k_center = lse_shift ? k_center->data_ptr<float>() : nullptr;
     params.q_balance = q_balance.has_value() ? q_balance->data_ptr<float>() : nullptr;
-    params.query_shift = query_shift.has_value() ? query_shift->shift.data_ptr<float>() : nullptr;
-    params.key_bias_max = query_shift.has_value() ? k_q.key_bias_max.data_ptr<float>() : nullptr;
   } else {  // Q's shift is the quantizer's mean
     q_q = quantize(q, query_shift.has_value() ? std::optional<at::Tensor>(query_shift->shift) : std::nullopt,
                    q_out_scale, 1, ai8::kQueryPad, stream, lse_shift ? k_center : std::nullopt,
@@ -390,9 +388,11 @@ void run_attention(const Operand& q, const Operand& k, const Operand& v, const a
     params.q_center_dot = lse_shift ? q_q.row_dot.data_ptr<float>() : nullptr;
     params.seqlen_q_pad = static_cast<int>(q_q.values.size(2));
   }
-  if (query_shift.has_value()) {
+  if (query_shift.has_value()) {  // the portable kernel reads the flags and biases, the sm90 kernel all four
     params.query_smoothed = query_shift->smoothed.data_ptr<int>();
+    params.query_shift = query_shift->shift.data_ptr<float>();
     params.key_bias = k_q.key_bias.data_ptr<float>();
+    params.key_bias_max = k_q.key_bias_max.data_ptr<float>();
   }
   params.sm_scale = static_cast<float>(scale);
   params.k = k_q.values.data_ptr<int8_t>();
