@@ -80,28 +80,37 @@ HOST_SPIN_CYCLES_PER_CALL = 400_000
 ACCURACY_HEADS = 4  # query heads of batch 0 compared with float64 (a sample: heads are independent)
 
 
-def make_methods(ai8, shape):
-    """name -> (context manager factory, fn(q, k, v)). Layout HND, the same tensors for every method."""
+REMEDIES_OFF = dict(balance_channels=False, smooth_q=False)
+
+
+def make_methods(ai8, shape, int8_options=None):
+    """name -> (context manager factory, fn(q, k, v)). Layout HND, the same tensors for every method; the INT8
+    op gets `int8_options` as keywords."""
     gqa = shape.hq != shape.hkv
+    int8_options = int8_options or {}
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
 
     def int8(q, k, v):
-        return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal)
+        return ai8.int8_attention_forward(q, k, v, is_causal=shape.causal, **int8_options)
 
     methods = {name: (functools.partial(sdpa_kernel, backend), sdpa) for name, backend in SDPA_BACKENDS.items()}
     methods["int8"] = (contextlib.nullcontext, int8)
     return methods
 
 
-def named_shapes_parser(description):
+def named_shapes_parser(description, remedies_option=True):
     """The arguments of the scripts that look at the int8 op alone (op_time.py, kernel_times.py): SHAPE keys of
-    NAMED_SHAPES and --dtype (a torch dtype name)."""
+    NAMED_SHAPES, --dtype (a torch dtype name) and --remedies (off times the kernels as a build without issue 46's
+    pre-pass work would)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shapes", nargs="+", choices=sorted(NAMED_SHAPES), metavar="SHAPE",
                         help="keys of bench_attention.NAMED_SHAPES")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    if remedies_option:
+        parser.add_argument("--remedies", choices=["on", "off"], default="on",
+                            help="channel balancing and Q smoothing as by default (on) or both turned off")
     return parser
 
 
@@ -118,7 +127,8 @@ def for_each_named_shape(args, tool, measure):
     for key in args.shapes:
         shape = NAMED_SHAPES[key]
         sets = input_sets(shape, dtype, l2_bytes)
-        measure(key, shape, sets, make_methods(ai8, shape)["int8"][1], ai8)
+        options = REMEDIES_OFF if getattr(args, "remedies", "on") == "off" else {}
+        measure(key, shape, sets, make_methods(ai8, shape, options)["int8"][1], ai8)
         del sets
         torch.cuda.empty_cache()
     return 0

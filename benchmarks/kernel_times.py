@@ -1,7 +1,7 @@
 """GPU time of each kernel the INT8 op launches (K centre, K quantizer, attention, split combine), per call, at
 named shapes: where an op time goes. RESULTS.md's rows call this breakdown "kprof".
 
-    python benchmarks/kernel_times.py [--dtype float16|bfloat16] [--passes N] SHAPE [SHAPE ...]
+    python benchmarks/kernel_times.py [--dtype float16|bfloat16] [--remedies on|off] [--passes N] SHAPE [SHAPE ...]
 
 SHAPE is a key of bench_attention.NAMED_SHAPES. The calls rotate over bench_attention's input sets (larger than
 L2) behind a spin kernel, as in the op timing; torch.profiler records the kernels' device times, and each

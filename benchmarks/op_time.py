@@ -1,7 +1,8 @@
 """Time of the INT8 op alone, quantization included, at named shapes: the figure RESULTS.md's per-version rows
 compare between builds.
 
-    python benchmarks/op_time.py [--dtype float16|bfloat16] [--tag NAME] [--min-seconds S] SHAPE [SHAPE ...]
+    python benchmarks/op_time.py [--dtype float16|bfloat16] [--remedies on|off] [--tag NAME] [--min-seconds S]
+                                 SHAPE [SHAPE ...]
 
 SHAPE is a key of bench_attention.NAMED_SHAPES (A, A4608, B, B32768, C, C8192, G, G8192, D, Dc, P96). Timing and
 accuracy are bench_attention's (rotating input sets larger than L2, a spin kernel ahead of each pass, median

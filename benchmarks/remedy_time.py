@@ -27,7 +27,7 @@ import bench_attention as bench
 
 
 def main():
-    parser = bench.named_shapes_parser(__doc__)
+    parser = bench.named_shapes_parser(__doc__, remedies_option=False)  # it times both
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-seconds", type=float, default=0.2, help="timed work per method and round, at least")
     args = parser.parse_args()
@@ -49,7 +49,7 @@ def main():
             return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
         us = median_us({"on": functools.partial(int8, {}),
-                        "off": functools.partial(int8, dict(balance_channels=False, smooth_q=False)), "cudnn": cudnn})
+                        "off": functools.partial(int8, bench.REMEDIES_OFF), "cudnn": cudnn})
         for q, _, _ in sets:  # a shared offset in every head: Q smoothing takes them all
             q.add_(2 * torch.randn(q.shape[0], q.shape[1], 1, q.shape[3], device=q.device, dtype=q.dtype))
         us |= median_us({"smoothed": functools.partial(int8, {}),
