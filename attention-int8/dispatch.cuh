@@ -51,10 +51,16 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// f(std::true_type{}) or f(std::false_type{}): a run-time flag as a compile-time one.
+template <typename F>
+cudaError_t dispatch_bool(bool flag, F&& f) {
+  return flag ? f(std::true_type{}) : f(std::false_type{});
+}
+
 // f(std::true_type{}) for packed sequences, f(std::false_type{}) for a dense batch.
 template <typename F>
 cudaError_t dispatch_packed(const PackedSequences& packed, F&& f) {
-  return packed.cu_seqlens != nullptr ? f(std::true_type{}) : f(std::false_type{});
+  return dispatch_bool(packed.cu_seqlens != nullptr, f);
 }
 
 // The portable kernel's traits for p: f(Traits{}).

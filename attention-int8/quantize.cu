@@ -308,7 +308,7 @@ __device__ __forceinline__ void prefetch_block_ahead(const QuantizeParams& p, bo
 // row, against 8 as fp32). The rows are the user's input, so they load before the wait for the
 // predecessor (under programmatic launch, while K's centre is still being computed). Packed sequences skip the
 // prefetch: the block one wave later is another sequence's, at offsets this block does not know.
-template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial, bool kPacked>
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPartial, bool kPacked, bool kRemedies>
 __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const int lane = threadIdx.x % 32, chunk = lane % Shape::kLanes;
@@ -335,7 +335,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     const int b = blockIdx.z, h = blockIdx.y, first = chunk * kChunkElems;
     const int64_t head_row = int64_t(b) * (p.heads / p.head_group) + h / p.head_group;  // of dot_vec, channel_scale
     if (p.mean != nullptr) load_channels(p.mean + (int64_t(b) * p.heads + h) * kHeadDim + first, shift.mean);
-    if (p.channel_scale != nullptr) load_channels(p.channel_scale + head_row * kHeadDim + first, shift.scale);
+    if (kRemedies && p.channel_scale != nullptr) load_channels(p.channel_scale + head_row * kHeadDim + first, shift.scale);
     if (kTokensPerScale == 1 && p.dot_vec != nullptr) load_channels(p.dot_vec + head_row * kHeadDim + first, dot_w);
   }
   if constexpr (kTokensPerScale == 1) {  // per token: one scale per row, over the row's lanes
@@ -358,7 +358,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
     }
   } else {  // per key block: one scale for all the thread's rows, whose fp32 values (computed once) replace
             // the raw chunks and the mean in registers
-    if (p.query_shift != nullptr) store_key_biases<kHeadDim>(p, rows, chunk, e8, shift.mean);  // uniform
+    if (kRemedies && p.query_shift != nullptr) store_key_biases<kHeadDim>(p, rows, chunk, e8, shift.mean);  // uniform
     float x[kRowIters][kChunkElems];
     uint32_t max_bits[kRowIters];
 #pragma unroll
@@ -379,25 +379,27 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p) {
 
 // All blocks but a head's last hold whole rows of data (and D = 64 / 128 leave no lane idle): they take
 // the path without per-row checks, which saves selects on every element of an issue-bound kernel.
-template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked, bool kRemedies>
 __device__ __forceinline__ void quantize_rows(const QuantizeParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   const bool whole = Shape::kChunks == Shape::kLanes && (blockIdx.x + 1) * Shape::kRowsPerBlock <= p.seqlen;
   ptx::allow_dependents();  // the attention kernel may take the SMs this grid's last wave frees
   if (whole) {
-    quantize_block<kHeadDim, Elem, kTokensPerScale, false, kPacked>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, false, kPacked, kRemedies>(p);
   } else {
-    quantize_block<kHeadDim, Elem, kTokensPerScale, true, kPacked>(p);
+    quantize_block<kHeadDim, Elem, kTokensPerScale, true, kPacked, kRemedies>(p);
   }
 }
 
-template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked>
+// kRemedies: channel balancing's factors or Q smoothing's key biases may be given (QuantizeParams); without them the
+// instance carries none of their multiplies and branches, which an issue-bound kernel would pay for.
+template <int kHeadDim, typename Elem, int kTokensPerScale, bool kPacked, bool kRemedies>
 __global__ void __launch_bounds__(QuantRowShape<kHeadDim>::kThreads, QuantRowShape<kHeadDim>::kBlocksPerSm)
     quantize_kernel(const QuantizeParams p, const PackedSequences packed) {
   if constexpr (kPacked) {  // one block of rows per sequence, as long as the longest
-    quantize_rows<kHeadDim, Elem, kTokensPerScale, true>(narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z));
+    quantize_rows<kHeadDim, Elem, kTokensPerScale, true, kRemedies>(narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z));
   } else {
-    quantize_rows<kHeadDim, Elem, kTokensPerScale, false>(p);
+    quantize_rows<kHeadDim, Elem, kTokensPerScale, false, kRemedies>(p);
   }
 }
 
@@ -461,7 +463,7 @@ __device__ __forceinline__ uint32_t channel_range_bits(const Elem (&e8)[kRows][k
 // mean, each row's distance from it, and the sum of the rows left out, which the total less it gives the
 // kept rows' sum (a second pass over all rows only where a total is not finite); then, for channel balancing,
 // the channel ranges about the centre. Returns channel threadIdx.x's range as |x| bits (0 without balancing).
-template <int kHeadDim, typename Elem>
+template <int kHeadDim, typename Elem, bool kRemedies>
 __device__ __forceinline__ uint32_t key_center_block(const KeyCenterParams& p) {
   using Shape = QuantRowShape<kHeadDim>;
   constexpr int kRowGroups = kCenterThreads / Shape::kLanes;
@@ -544,7 +546,7 @@ __device__ __forceinline__ uint32_t key_center_block(const KeyCenterParams& p) {
   const int64_t out = (int64_t(b) * p.heads + h) * kHeadDim + threadIdx.x;
   const float center = threadIdx.x < kHeadDim ? __double2float_rn(kept_sum / kept_rows) : 0.f;  // 0 / 0 = NaN: none kept
   if (threadIdx.x < kHeadDim) p.center[out] = center;
-  if (p.channel_range == nullptr) return 0;
+  if (!kRemedies || p.channel_range == nullptr) return 0;
   if (threadIdx.x < kHeadDim) plain_mean[threadIdx.x] = center;  // read last before the distances' barrier
   __syncthreads();
   uint32_t range = channel_range_bits(e8, sampled, plain_mean,
@@ -598,7 +600,9 @@ __device__ __forceinline__ void store_query_factors(const KeyCenterParams& p, ui
   if (p.query_center != nullptr) store_query_shifts<kHeadDim>(p, head);
 }
 
-template <int kHeadDim, typename Elem, bool kPacked>
+// kRemedies: the launch computes channel ranges or reads Q's (KeyCenterParams); the plain K centre's instance keeps no
+// sample rows live for a range pass and has no branch to one.
+template <int kHeadDim, typename Elem, bool kPacked, bool kRemedies>
 __global__ void __launch_bounds__(kCenterThreads, 1)
     key_center_kernel(const KeyCenterParams p, const PackedSequences packed) {
   ptx::allow_dependents();  // K's launch after Q's, or the K quantizer, launches now and loads its rows while this runs
@@ -606,16 +610,16 @@ __global__ void __launch_bounds__(kCenterThreads, 1)
   if constexpr (kPacked) {
     const KeyCenterParams sequence = narrow_rows_to_sequence<Elem>(p, packed, blockIdx.z);
     if (sequence.seqlen > 0) {
-      range_bits = key_center_block<kHeadDim, Elem>(sequence);
+      range_bits = key_center_block<kHeadDim, Elem, kRemedies>(sequence);
     } else if (threadIdx.x < kHeadDim) {  // no row: nothing to centre, nothing the centre could move, no range
       const int64_t out = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * kHeadDim + threadIdx.x;
       p.center[out] = 0.f;
-      if (p.channel_range != nullptr) p.channel_range[out] = 0.f;
+      if (kRemedies && p.channel_range != nullptr) p.channel_range[out] = 0.f;
     }
   } else {
-    range_bits = key_center_block<kHeadDim, Elem>(p);
+    range_bits = key_center_block<kHeadDim, Elem, kRemedies>(p);
   }
-  store_query_factors<kHeadDim>(p, range_bits);
+  if constexpr (kRemedies) store_query_factors<kHeadDim>(p, range_bits);
 }
 
 }  // namespace
@@ -626,8 +630,11 @@ cudaError_t launch_key_center(const KeyCenterParams& p, const PackedSequences& p
   return dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     return dispatch_elem(p.dtype, [&](auto elem) {
       return dispatch_packed(packed, [&](auto is_packed) {
-        return launch(key_center_kernel<decltype(head_dim)::value, decltype(elem), decltype(is_packed)::value>,
-                      dim3(1, p.heads, p.batch), kCenterThreads, 0, stream, p.programmatic_launch, p, packed);
+        return dispatch_bool(p.channel_range != nullptr || p.query_range != nullptr, [&](auto remedies) {
+          return launch(key_center_kernel<decltype(head_dim)::value, decltype(elem), decltype(is_packed)::value,
+                                          decltype(remedies)::value>,
+                        dim3(1, p.heads, p.batch), kCenterThreads, 0, stream, p.programmatic_launch, p, packed);
+        });
       });
     });
   });
@@ -644,11 +651,14 @@ cudaError_t launch_quantize(const QuantizeParams& p, const PackedSequences& pack
     const dim3 grid(ceil_div(p.seqlen_pad, QuantRowShape<kHeadDim>::kRowsPerBlock), p.heads, p.batch);
     return dispatch_elem(p.dtype, [&](auto elem) {
       return dispatch_packed(packed, [&](auto is_packed) {
-        using Elem = decltype(elem);
-        constexpr bool kPacked = decltype(is_packed)::value;
-        const auto kernel = p.tokens_per_scale == 1 ? quantize_kernel<kHeadDim, Elem, 1, kPacked>
-                                                    : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, kPacked>;
-        return launch(kernel, grid, QuantRowShape<kHeadDim>::kThreads, 0, stream, p.programmatic_launch, p, packed);
+        return dispatch_bool(p.channel_scale != nullptr || p.query_shift != nullptr, [&](auto remedies) {
+          using Elem = decltype(elem);
+          constexpr bool kPacked = decltype(is_packed)::value, kRemedies = decltype(remedies)::value;
+          const auto kernel = p.tokens_per_scale == 1
+                                  ? quantize_kernel<kHeadDim, Elem, 1, kPacked, kRemedies>
+                                  : quantize_kernel<kHeadDim, Elem, kKeyScaleTokens, kPacked, kRemedies>;
+          return launch(kernel, grid, QuantRowShape<kHeadDim>::kThreads, 0, stream, p.programmatic_launch, p, packed);
+        });
       });
     });
   });
