@@ -157,13 +157,18 @@ struct Sm90AttentionKernelTraits {
                 "a consumer's staging tiles hold its Q tile, on a swizzle atom boundary");
   // The split-KV combine: this many consecutive threads merge a query row's fp32 partials, 4 channels each.
   static constexpr int kCombineRowThreads = kHeadDim / 4;
-  // Q smoothing's key biases (AttentionParams::key_bias): the tile's kBlockN fp32 values per stage, after O's staging.
+  // Q smoothing's key biases (AttentionParams::key_bias): the tile's kBlockN fp32 values per stage.
   static constexpr int kSmemBiasBytes = kBlockN * 4;
-  static_assert(kSmemOBytes % 16 == 0 && kSmemBiasBytes % 16 == 0, "bulk copies land on 16-byte boundaries");
   // Barriers: full/empty per stage (K and V together).
   static constexpr int kBarriers = 2 * kStages;
-  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kStages * kSmemStageBytes + kSmemOBytes +
-                                    kStages * kSmemBiasBytes + kBarriers * 8;
+  // The layout from the 1024-byte aligned base (Sm90Smem): the stages, O's staging tiles, the key biases' stages,
+  // the barriers.
+  static constexpr int kSmemOOffset = kStages * kSmemStageBytes;
+  static constexpr int kSmemBiasOffset = kSmemOOffset + kSmemOBytes;
+  static constexpr int kSmemBarrierOffset = kSmemBiasOffset + kStages * kSmemBiasBytes;
+  static_assert(kSmemBiasOffset % 16 == 0 && kSmemBiasBytes % 16 == 0, "bulk copies land on 16-byte boundaries");
+  static_assert(kSmemBarrierOffset % 8 == 0, "mbarriers are 8-byte aligned");
+  static constexpr int kSmemBytes = 1024 /* base alignment slack */ + kSmemBarrierOffset + kBarriers * 8;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the opt-in shared memory of a Hopper CTA");
 };
 

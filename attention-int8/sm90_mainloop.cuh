@@ -20,16 +20,19 @@ namespace attention_int8 {
 
 template <typename Traits>
 struct Sm90Smem {
-  char* stage_base;  // kStages stages, then the O staging tiles, the key biases' stages, the barriers
+  char* stage_base;  // the 1024-byte aligned base of Traits' layout
   uint64_t* barriers;
+  __device__ static Sm90Smem at(char* base) {
+    return {base, reinterpret_cast<uint64_t*>(base + Traits::kSmemBarrierOffset)};
+  }
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
   __device__ char* ones(int stage) const { return v(stage) + Traits::kSmemVBytes; }  // the box after V's
   __device__ char* o_tile(int consumer_warp) const {
-    return stage_base + Traits::kStages * Traits::kSmemStageBytes + consumer_warp * Traits::kSmemOWarpBytes;
+    return stage_base + Traits::kSmemOOffset + consumer_warp * Traits::kSmemOWarpBytes;
   }
   __device__ float* key_bias(int stage) const {
-    return reinterpret_cast<float*>(o_tile(Traits::kConsumerWarps) + stage * Traits::kSmemBiasBytes);
+    return reinterpret_cast<float*>(stage_base + Traits::kSmemBiasOffset + stage * Traits::kSmemBiasBytes);
   }
   // One full and one empty barrier per stage, for its K and V tiles together: each barrier test is a round trip
   // on the key loop's serial path, and tiles land long before they are needed.
