@@ -48,7 +48,7 @@ __device__ __forceinline__ void attention_work_tile(const AttentionParams& p, co
   // The swizzle atoms (at most 1024 bytes) are anchored at 1024-byte boundaries. Offsetting smem_raw (rather than
   // rounding an integer address) keeps the pointers visibly in shared memory: LDS, not generic loads.
   char* smem_base = smem_raw + (1024 - sm90::smem_addr(smem_raw) % 1024) % 1024;
-  const Sm90Smem<Traits> smem = Sm90Smem<Traits>::at(smem_base);
+  const Sm90Smem<Traits> smem{smem_base};
 
   const int tid = threadIdx.x, lane = tid % 32;
   // Broadcast from lane 0 so the compiler sees a warp-uniform value: wgmma under a branch it thinks

@@ -21,10 +21,6 @@ namespace attention_int8 {
 template <typename Traits>
 struct Sm90Smem {
   char* stage_base;  // the 1024-byte aligned base of Traits' layout
-  uint64_t* barriers;
-  __device__ static Sm90Smem at(char* base) {
-    return {base, reinterpret_cast<uint64_t*>(base + Traits::kSmemBarrierOffset)};
-  }
   __device__ char* k(int stage) const { return stage_base + stage * Traits::kSmemStageBytes; }
   __device__ char* v(int stage) const { return k(stage) + Traits::kSmemKBytes; }
   __device__ char* ones(int stage) const { return v(stage) + Traits::kSmemVBytes; }  // the box after V's
@@ -36,8 +32,11 @@ struct Sm90Smem {
   }
   // One full and one empty barrier per stage, for its K and V tiles together: each barrier test is a round trip
   // on the key loop's serial path, and tiles land long before they are needed.
-  __device__ uint64_t* full(int stage) const { return barriers + stage; }
-  __device__ uint64_t* empty(int stage) const { return barriers + Traits::kStages + stage; }
+  __device__ uint64_t* full(int stage) const { return barrier(stage); }
+  __device__ uint64_t* empty(int stage) const { return barrier(Traits::kStages + stage); }
+  __device__ uint64_t* barrier(int i) const {
+    return reinterpret_cast<uint64_t*>(stage_base + Traits::kSmemBarrierOffset) + i;
+  }
 };
 
 // Named barriers 1..kConsumers: consumer warpgroup w waits on 1 + w for its turn to issue wgmmas; its
